@@ -1,0 +1,29 @@
+"""PrefillOnly: an inference engine for prefill-only requests (one output token, its probability).
+
+Public API (DESIGN.md §10): Engine, EngineConfig, ScoreResult, TokenScore and the errors.
+"""
+
+from .config import EngineConfig
+from .engine import Engine
+from .errors import (
+    ConfigError,
+    InvalidRequestError,
+    OverBudgetError,
+    PrefillOnlyError,
+    PromptTooLongError,
+    UnsupportedModelError,
+)
+from .result import ScoreResult, TokenScore
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "ScoreResult",
+    "TokenScore",
+    "PrefillOnlyError",
+    "ConfigError",
+    "UnsupportedModelError",
+    "InvalidRequestError",
+    "PromptTooLongError",
+    "OverBudgetError",
+]

@@ -1,0 +1,85 @@
+"""EngineConfig: every engine setting in one dataclass, validated once with clear messages.
+
+The Triton model and the CLI build it from their own inputs (strings allowed: "bfloat16",
+"2048", "none"); nothing below the engine reads the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from .errors import ConfigError
+from .kernels.attention import BACKENDS
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+
+
+def default_cache_dir() -> str:
+    """Where the converted default model lives: $PREFILLONLY_CACHE_DIR or ~/.cache/prefillonly."""
+    return os.environ.get("PREFILLONLY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "prefillonly")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF checkpoint folder; None = the embedded SmolLM2-135M-Instruct
+    dtype: str = "bfloat16"  # float32 | bfloat16 | float16 (float16 on CUDA only)
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    chunk_size: int | None = 2048  # tokens per per-token chunk; None or 0 = no chunking
+    max_input_len: int | None = None  # None = the model's context length; larger is an explicit override
+    activation_budget_bytes: int | None = None  # one request's transient peak; None = 90% of free memory at start
+    threads: int | None = None  # torch intra-op threads (CPU); None = torch's default
+    attention_backend: str = "auto"  # auto | sdpa | flash_attn
+    cache_dir: str = field(default_factory=default_cache_dir)  # converted default model
+
+    def __post_init__(self) -> None:
+        self.dtype = _DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+        self.device = str(self.device).lower()
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ConfigError(f"device {self.device!r} is not supported; use 'cpu', 'cuda' or 'cuda:N'")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"device {self.device!r} requested but CUDA is not available in this process")
+        if self.dtype == "float16" and self.device == "cpu":
+            raise ConfigError("dtype float16 is only supported on CUDA; use bfloat16 or float32 on CPU")
+        self.chunk_size = _optional_int("chunk_size", self.chunk_size, minimum=0) or None
+        self.max_input_len = _optional_int("max_input_len", self.max_input_len, minimum=1)
+        self.activation_budget_bytes = _optional_int("activation_budget_bytes", self.activation_budget_bytes, minimum=1)
+        self.threads = _optional_int("threads", self.threads, minimum=1)
+        if self.attention_backend not in BACKENDS:
+            raise ConfigError(f"attention_backend {self.attention_backend!r} unknown; choose one of {', '.join(BACKENDS)}")
+        if self.model is not None and not os.path.isdir(str(self.model)):
+            raise ConfigError(f"model folder {self.model!r} does not exist (leave model unset for the default SmolLM2)")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @classmethod
+    def from_strings(cls, values: dict[str, str]) -> "EngineConfig":
+        """Build from string settings (Triton parameters, CLI); unknown keys are an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**{k: (None if str(v).strip().lower() in ("", "none", "null") else v) for k, v in values.items()})
+
+
+def _optional_int(name: str, value, minimum: int) -> int | None:
+    if value is None:
+        return None
+    try:
+        number = int(str(value).strip().replace("_", ""))
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer, got {value!r}") from None
+    if number < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {number}")
+    return number

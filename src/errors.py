@@ -1,0 +1,41 @@
+"""Exceptions the engine raises. Every rejection names the problem in its message.
+
+`code` is a short machine-readable reason (used later for metrics and for mapping to
+Triton status codes); the message is for humans.
+"""
+
+
+class PrefillOnlyError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+    code = "error"
+
+
+class ConfigError(PrefillOnlyError, ValueError):
+    """An EngineConfig value (or a model folder) is unusable."""
+
+    code = "bad_config"
+
+
+class UnsupportedModelError(ConfigError):
+    """The checkpoint's architecture is not one the engine implements."""
+
+    code = "unsupported_model"
+
+
+class InvalidRequestError(PrefillOnlyError, ValueError):
+    """The request itself is malformed (empty prompt, bad token ids, ...)."""
+
+    code = "invalid_request"
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt is longer than the configured max input length."""
+
+    code = "prompt_too_long"
+
+
+class OverBudgetError(PrefillOnlyError):
+    """Serving the request would exceed the activation memory budget."""
+
+    code = "over_memory_budget"

@@ -1,0 +1,74 @@
+"""Causal attention over a whole sequence (hybrid prefill never chunks attention).
+
+One entry point, `causal_attention`, used by the executor for every layer. Queries may be a
+suffix of the keys (cached prefix K/V followed by fresh K/V): query i sits at key position
+i + (Lk - Lq) and sees keys 0..i + (Lk - Lq) (bottom-right-aligned causal mask).
+No S x S mask is ever built (DESIGN.md §8b).
+
+Backends:
+  "sdpa"       torch scaled_dot_product_attention (CPU and CUDA).
+  "flash_attn" flash-attn's flash_attn_func, CUDA only, when the package is importable
+               (its causal mask is bottom-right aligned when Lq != Lk).
+  "auto"       flash_attn where available on CUDA, else sdpa.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+BACKENDS = ("auto", "sdpa", "flash_attn")
+
+# Bound on one query block's mask (elements) on the Lq != Lk path: the masked SDPA path
+# materialises a [block, Lk] mask, so blocks keep it small at any key length.
+_MASK_ELEMENTS = 1 << 22
+
+
+def flash_attn_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "flash_attn" if device.type == "cuda" and flash_attn_available() else "sdpa"
+    if backend == "flash_attn" and not (device.type == "cuda" and flash_attn_available()):
+        raise ValueError("attention backend 'flash_attn' needs CUDA and the flash-attn package")
+    return backend
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: str = "sdpa") -> torch.Tensor:
+    """q: [Hq, Lq, D]; k, v: [Hkv, Lk, D] with Lk >= Lq and Hq % Hkv == 0. Returns [Hq, Lq, D]."""
+    hq, lq, _ = q.shape
+    hkv, lk, _ = k.shape
+    if lk < lq or hq % hkv:
+        raise ValueError(f"bad attention shapes q={tuple(q.shape)} k={tuple(k.shape)}")
+    if backend == "flash_attn":
+        return _flash_attn(q, k, v, scale)
+    gqa = hq != hkv
+    if lq == lk:
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=gqa)
+        return out[0]
+    # queries are a suffix of the keys: run query blocks, each over the keys it can see
+    offset = lk - lq
+    out = torch.empty_like(q)
+    block = max(1, min(lq, _MASK_ELEMENTS // lk))
+    for i0 in range(0, lq, block):
+        i1 = min(lq, i0 + block)
+        visible = offset + i1
+        mask = causal_lower_right(i1 - i0, visible)
+        out[:, i0:i1] = F.scaled_dot_product_attention(
+            q[None, :, i0:i1], k[None, :, :visible], v[None, :, :visible], attn_mask=mask, scale=scale, enable_gqa=gqa
+        )[0]
+    return out
+
+
+def _flash_attn(q, k, v, scale):  # pragma: no cover - needs CUDA + flash-attn
+    from flash_attn import flash_attn_func
+
+    out = flash_attn_func(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], softmax_scale=scale, causal=True)
+    return out[0].transpose(0, 1)

@@ -1,0 +1,112 @@
+"""Peak memory of one request: the engine's prediction and the measurement (DESIGN.md §10).
+
+Prediction mirrors the executor's allocations (see executor.py): full-length buffers of the
+request plus the larger of attention's and one chunk's temporaries. Measurement is what every
+compared system is measured by: process peak-RSS growth on CPU, allocator peak on CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .model_spec import ModelSpec
+
+# SDPA's own workspace on CPU (per-thread score blocks, bf16->fp32 staging): measured a few
+# MB at 1K-32K tokens for small heads; this constant plus the per-query-row term covers it.
+_ATTENTION_FIXED_BYTES = 8 << 20
+
+
+def predict_peak_bytes(
+    spec: ModelSpec,
+    new_tokens: int,
+    chunk_size: int | None,
+    dtype: torch.dtype,
+    prefix_tokens: int = 0,
+    captured_tokens: int = 0,
+) -> int:
+    """Peak extra bytes of a forward over `new_tokens` after `prefix_tokens` of given K/V."""
+    e = torch.tensor([], dtype=dtype).element_size()
+    s, total = new_tokens, prefix_tokens + new_tokens
+    c = s if not chunk_size or chunk_size >= s else chunk_size
+    d, f = spec.hidden_size, spec.intermediate_size
+
+    request_buffers = e * (s * d + s * spec.q_width + 2 * total * spec.kv_width)  # residual, Q, K, V
+    chunk_buffers = e * c * (spec.qkv_width + spec.q_width + 2 * f)  # qkv, o rows, gate_up
+    attention_out = e * s * spec.q_width
+    # transient per chunk: the RMSNorm output (+ its float32 statistics) and q/k-norm copies
+    chunk_transient = c * d * (e + 4) + (e * c * (spec.q_width + spec.kv_width) if spec.qk_norm else 0)
+    attention_transient = _ATTENTION_FIXED_BYTES + 4 * s * spec.num_heads * 16
+    captured = e * 2 * captured_tokens * spec.kv_width * spec.num_layers
+    logits = spec.vocab_size * (e + 4)
+    return (
+        request_buffers
+        + chunk_buffers
+        + attention_out
+        + max(chunk_transient, attention_transient, logits)
+        + captured
+    )
+
+
+class PeakMemoryMeter:
+    """Measures one request's peak memory growth on its device.
+
+    CPU: reset the kernel's RSS high-water mark (/proc/self/clear_refs) before, read VmHWM
+    after; growth over the RSS at the start. CUDA: torch's allocator peak over the allocation
+    at the start. `available` is False where the high-water mark cannot be reset.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.available = device.type == "cuda" or _can_reset_hwm()
+        self._base = 0
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        elif self.available:
+            _reset_hwm()
+            self._base = _status_bytes("VmRSS")
+
+    def peak_growth(self) -> int | None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device) - self._base
+        if not self.available:
+            return None
+        return max(0, _status_bytes("VmHWM") - self._base)
+
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+def _reset_hwm() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _can_reset_hwm() -> bool:
+    try:
+        _reset_hwm()
+        _status_bytes("VmHWM")
+        return True
+    except OSError:
+        return False
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory now: MemAvailable on CPU, the CUDA driver's free bytes on a GPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 34

@@ -1,0 +1,120 @@
+"""Turns user input into token ids: prompts (text or ids) and allowed output tokens.
+
+A string allowed token is scored as exactly the one token it encodes to; nothing is added
+(no leading space, no special tokens). "Yes" and " Yes" are different tokens (DESIGN.md §6).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+
+from .errors import InvalidRequestError
+
+
+class PromptEncoder:
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer = tokenizer  # a transformers tokenizer, or None for id-only models
+        self.vocab_size = vocab_size
+
+    def encode_prompt(self, prompt, apply_chat_template: bool = False) -> list[int]:
+        if isinstance(prompt, (bytes, bytearray)):
+            prompt = _decode_utf8(bytes(prompt), "prompt")
+        if isinstance(prompt, str):
+            _check_encodable(prompt, "prompt")
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            tok = self._need_tokenizer("a text prompt")
+            if apply_chat_template:
+                if not getattr(tok, "chat_template", None):
+                    raise InvalidRequestError("apply_chat_template was requested but the model's tokenizer has no chat template")
+                ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+                if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
+                    ids = ids["input_ids"]
+            else:
+                ids = tok.encode(prompt)
+            ids = list(ids)
+        else:
+            if apply_chat_template:
+                raise InvalidRequestError("apply_chat_template needs a text prompt, not token ids")
+            ids = self._ids(prompt, "prompt")
+        if not ids:
+            raise InvalidRequestError("prompt is empty (0 tokens)")
+        return ids
+
+    def resolve_allowed(self, allowed) -> list[int]:
+        if allowed is None or isinstance(allowed, (str, bytes)) or not isinstance(allowed, Sequence) and not hasattr(allowed, "tolist"):
+            raise InvalidRequestError("allowed_tokens must be a list of token strings or token ids")
+        items = allowed.tolist() if hasattr(allowed, "tolist") else list(allowed)
+        if not items:
+            raise InvalidRequestError("allowed_tokens is empty; give at least one token")
+        ids = []
+        for item in items:
+            if isinstance(item, (bytes, bytearray)):
+                item = _decode_utf8(bytes(item), "allowed token")
+            if isinstance(item, str):
+                ids.append(self._single_token(item))
+            else:
+                ids.append(self._id(item, "allowed token id"))
+        seen = {}
+        for item, i in zip(items, ids):
+            if i in seen:
+                raise InvalidRequestError(f"allowed tokens {seen[i]!r} and {item!r} are the same token (id {i}); list each once")
+            seen[i] = item
+        return ids
+
+    def token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
+
+    def _single_token(self, text: str) -> int:
+        _check_encodable(text, "allowed token")
+        if not text:
+            raise InvalidRequestError("allowed token '' is empty")
+        tok = self._need_tokenizer("allowed tokens given as strings")
+        ids = tok.encode(text, add_special_tokens=False)
+        if len(ids) != 1:
+            pieces = [tok.decode([i]) for i in ids]
+            hint = ""
+            if not text.startswith(" ") and len(tok.encode(" " + text, add_special_tokens=False)) == 1:
+                hint = f"; note {' ' + text!r} (with a leading space) is a single token"
+            raise InvalidRequestError(
+                f"allowed token {text!r} encodes to {len(ids)} tokens {pieces} (ids {ids}); "
+                f"each allowed string must be exactly one token{hint}"
+            )
+        return ids[0]
+
+    def _need_tokenizer(self, what: str):
+        if self.tokenizer is None:
+            raise InvalidRequestError(f"this model has no tokenizer, so {what} cannot be used; pass token ids")
+        return self.tokenizer
+
+    def _ids(self, values, what: str) -> list[int]:
+        if hasattr(values, "tolist"):
+            values = values.tolist()
+        if not isinstance(values, Sequence):
+            raise InvalidRequestError(f"{what} must be text or a sequence of token ids, got {type(values).__name__}")
+        return [self._id(v, what + " token id") for v in values]
+
+    def _id(self, value, what: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise InvalidRequestError(f"{what} {value!r} is not an integer")
+        value = int(value)
+        if not 0 <= value < self.vocab_size:
+            raise InvalidRequestError(f"{what} {value} is outside the vocabulary [0, {self.vocab_size})")
+        return value
+
+
+def _decode_utf8(data: bytes, what: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRequestError(f"{what} is not valid UTF-8: byte 0x{data[e.start]:02x} at offset {e.start}") from None
+
+
+def _check_encodable(text: str, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"{what} is not valid Unicode text: {e.reason} at character {e.start}") from None

@@ -1,0 +1,176 @@
+"""Weights of a supported checkpoint, in the layout the executor wants.
+
+q/k/v projections are fused into one [qkv_width, d] matrix and gate/up into one [2F, d]
+matrix, so that each chunk runs two big matmuls instead of five small ones.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ConfigError
+from .model_spec import ModelSpec
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [d]
+    wqkv: torch.Tensor  # [q_width + 2*kv_width, d]
+    bqkv: torch.Tensor | None  # [q_width + 2*kv_width]
+    q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
+    k_norm: torch.Tensor | None  # [head_dim] (Qwen3)
+    wo: torch.Tensor  # [d, q_width]
+    bo: torch.Tensor | None
+    post_norm: torch.Tensor  # [d]
+    w_gate_up: torch.Tensor  # [2F, d]: rows [0, F) gate, [F, 2F) up
+    b_gate_up: torch.Tensor | None
+    w_down: torch.Tensor  # [d, F]
+    b_down: torch.Tensor | None
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # [vocab, d]
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor  # [d]
+    lm_head: torch.Tensor  # [vocab, d]; the same tensor as embed when tied
+
+    def nbytes(self) -> int:
+        seen, total = set(), 0
+        for t in self._tensors():
+            if t is not None and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+    def _tensors(self):
+        yield from (self.embed, self.final_norm, self.lm_head)
+        for layer in self.layers:
+            yield from vars(layer).values()
+
+    @classmethod
+    def load(cls, folder: str, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> "ModelWeights":
+        reader = _SafetensorsFolder(folder)
+
+        def get(name: str, required: bool = True):
+            t = reader.get(name, required)
+            return None if t is None else t.to(device=device, dtype=dtype)
+
+        def cat(names: list[str], required: bool = True):
+            parts = [reader.get(n, required) for n in names]
+            if any(p is None for p in parts):
+                return None
+            return torch.cat(parts).to(device=device, dtype=dtype)
+
+        layers = []
+        for i in range(spec.num_layers):
+            p = f"model.layers.{i}."
+            attn = [p + f"self_attn.{x}_proj" for x in "qkv"]
+            mlp = [p + "mlp.gate_proj", p + "mlp.up_proj"]
+            layers.append(
+                LayerWeights(
+                    input_norm=get(p + "input_layernorm.weight"),
+                    wqkv=cat([n + ".weight" for n in attn]),
+                    bqkv=cat([n + ".bias" for n in attn], required=spec.qkv_bias) if spec.qkv_bias else None,
+                    q_norm=get(p + "self_attn.q_norm.weight") if spec.qk_norm else None,
+                    k_norm=get(p + "self_attn.k_norm.weight") if spec.qk_norm else None,
+                    wo=get(p + "self_attn.o_proj.weight"),
+                    bo=get(p + "self_attn.o_proj.bias") if spec.o_bias else None,
+                    post_norm=get(p + "post_attention_layernorm.weight"),
+                    w_gate_up=cat([n + ".weight" for n in mlp]),
+                    b_gate_up=cat([n + ".bias" for n in mlp]) if spec.mlp_bias else None,
+                    w_down=get(p + "mlp.down_proj.weight"),
+                    b_down=get(p + "mlp.down_proj.bias") if spec.mlp_bias else None,
+                )
+            )
+        embed = get("model.embed_tokens.weight")
+        lm_head = embed if spec.tie_word_embeddings else get("lm_head.weight", required=False)
+        if lm_head is None:  # some tied checkpoints omit the flag but also the tensor
+            lm_head = embed
+        weights = cls(embed=embed, layers=layers, final_norm=get("model.norm.weight"), lm_head=lm_head)
+        weights.check_shapes(spec)
+        return weights
+
+    @classmethod
+    def random(cls, spec: ModelSpec, dtype: torch.dtype, device: torch.device, seed: int = 0, std: float = 0.02):
+        """Random weights of a real shape, made directly on `device` (speed/memory runs, GPU check)."""
+        g = torch.Generator(device=device).manual_seed(seed)
+
+        def rnd(*shape):
+            return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * std).to(dtype)
+
+        def ones(n):
+            return torch.ones(n, device=device, dtype=dtype)
+
+        d, f, hd = spec.hidden_size, spec.intermediate_size, spec.head_dim
+        layers = [
+            LayerWeights(
+                input_norm=ones(d),
+                wqkv=rnd(spec.qkv_width, d),
+                bqkv=rnd(spec.qkv_width) if spec.qkv_bias else None,
+                q_norm=ones(hd) if spec.qk_norm else None,
+                k_norm=ones(hd) if spec.qk_norm else None,
+                wo=rnd(d, spec.q_width),
+                bo=rnd(d) if spec.o_bias else None,
+                post_norm=ones(d),
+                w_gate_up=rnd(2 * f, d),
+                b_gate_up=rnd(2 * f) if spec.mlp_bias else None,
+                w_down=rnd(d, f),
+                b_down=rnd(d) if spec.mlp_bias else None,
+            )
+            for _ in range(spec.num_layers)
+        ]
+        embed = rnd(spec.vocab_size, d)
+        lm_head = embed if spec.tie_word_embeddings else rnd(spec.vocab_size, d)
+        return cls(embed=embed, layers=layers, final_norm=ones(d), lm_head=lm_head)
+
+    def check_shapes(self, spec: ModelSpec) -> None:
+        d, f = spec.hidden_size, spec.intermediate_size
+        expect = {
+            "embed": (self.embed, (spec.vocab_size, d)),
+            "lm_head": (self.lm_head, (spec.vocab_size, d)),
+            "layers.0.wqkv": (self.layers[0].wqkv, (spec.qkv_width, d)),
+            "layers.0.wo": (self.layers[0].wo, (d, spec.q_width)),
+            "layers.0.w_gate_up": (self.layers[0].w_gate_up, (2 * f, d)),
+            "layers.0.w_down": (self.layers[0].w_down, (d, f)),
+        }
+        for name, (t, shape) in expect.items():
+            if tuple(t.shape) != shape:
+                raise ConfigError(f"weight {name} has shape {tuple(t.shape)}, config implies {shape}")
+
+
+class _SafetensorsFolder:
+    """Reads tensors by name from one or many *.safetensors files of a folder."""
+
+    def __init__(self, folder: str):
+        from safetensors import safe_open
+
+        index = os.path.join(folder, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+            files = [os.path.join(folder, x) for x in files]
+        else:
+            files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+        if not files:
+            raise ConfigError(f"model folder {folder!r} has no *.safetensors files")
+        self._where = {}
+        self._handles = []
+        for path in files:
+            h = safe_open(path, framework="pt")
+            self._handles.append(h)
+            for name in h.keys():
+                self._where[name] = h
+
+    def get(self, name: str, required: bool = True):
+        h = self._where.get(name)
+        if h is None:
+            if required:
+                raise ConfigError(f"checkpoint is missing tensor {name!r}")
+            return None
+        return h.get_tensor(name)
