@@ -7,8 +7,8 @@ Per layer (DESIGN.md §2):
   C. per token chunk: o_proj + residual add, RMSNorm, fused gate/up matmul, SwiGLU, down_proj
      + residual add, in place on the residual stream.
 Only the residual stream [S, d], one layer's Q/K/V/attention output and one chunk's
-temporaries are alive at once; K/V of a layer dies when its attention is done unless the
-caller asked to capture a prefix of it.
+temporaries are alive at once (workspace.py lists them); K/V of a layer is overwritten by the
+next layer unless the caller asked to capture a prefix of it.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from .cache.prefix_kv import PrefixKV
-from .kernels import add_linear_, causal_attention, linear_into, rms_norm, rope_into, silu_mul_
+from .kernels import add_linear_, causal_attention, linear_into, rms_norm_into, rope_into, swiglu_into
 from .model_spec import ModelSpec
 from .rope import RotaryTable
 from .weights import ModelWeights
+from .workspace import allocate, plan_workspace
 
 
 @dataclass
@@ -53,64 +54,59 @@ class HybridPrefillExecutor:
         chunk_size None (or >= S) means no chunking. `capture=(start, end)` returns the K/V of
         absolute positions [start, end) (prefix positions included) for the prefix cache.
         """
-        spec, dt, dev = self.spec, self.dtype, self.device
-        s = int(token_ids.shape[0])
+        spec = self.spec
         p = prefix.length if prefix is not None else 0
-        total = p + s
-        chunk = s if not chunk_size or chunk_size >= s else int(chunk_size)
-        hq, hkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        qw, kw = spec.q_width, spec.kv_width
-
-        # full-length buffers of the request, reused by every layer
-        hidden = self.weights.embed.index_select(0, token_ids.to(dev))  # [S, d] residual stream
-        q_buf = torch.empty(hq, s, hd, dtype=dt, device=dev)
-        k_buf = torch.empty(hkv, total, hd, dtype=dt, device=dev)
-        v_buf = torch.empty(hkv, total, hd, dtype=dt, device=dev)
-        # one chunk's temporaries, reused by every chunk
-        qkv = torch.empty(chunk, spec.qkv_width, dtype=dt, device=dev)
-        o_rows = torch.empty(chunk, qw, dtype=dt, device=dev)
-        gate_up = torch.empty(chunk, 2 * spec.intermediate_size, dtype=dt, device=dev)
-        rope = [self.rotary.cos_sin(p + c0, p + min(s, c0 + chunk), dt) for c0 in range(0, s, chunk)]
+        plan = plan_workspace(spec, int(token_ids.shape[0]), chunk_size, self.dtype, p)
+        ws = allocate(plan, self.device)
+        torch.index_select(self.weights.embed, 0, token_ids.to(self.device), out=ws["hidden"])
+        chunks = [(c0, min(plan.new_tokens, c0 + plan.chunk)) for c0 in range(0, plan.new_tokens, plan.chunk)]
+        rope = [self.rotary.cos_sin(p + c0, p + c1, self.dtype) for c0, c1 in chunks]
 
         captured = PrefixKV([], []) if capture else None
         for li, layer in enumerate(self.weights.layers):
             if prefix is not None:
-                k_buf[:, :p].copy_(prefix.keys[li])
-                v_buf[:, :p].copy_(prefix.values[li])
-            # A. per-token: norm, QKV, RoPE -> full-length Q/K/V
-            for ci, c0 in enumerate(range(0, s, chunk)):
-                c1 = min(s, c0 + chunk)
-                n = c1 - c0
-                x = rms_norm(hidden[c0:c1], layer.input_norm, spec.rms_norm_eps)
-                out = linear_into(qkv[:n], x, layer.wqkv, layer.bqkv)
-                q = out[:, :qw].view(n, hq, hd).transpose(0, 1)
-                k = out[:, qw : qw + kw].view(n, hkv, hd).transpose(0, 1)
-                v = out[:, qw + kw :].view(n, hkv, hd).transpose(0, 1)
-                if layer.q_norm is not None:
-                    q = rms_norm(q, layer.q_norm, spec.rms_norm_eps)
-                    k = rms_norm(k, layer.k_norm, spec.rms_norm_eps)
-                cos, sin = rope[ci]
-                rope_into(q_buf[:, c0:c1], q, cos, sin)
-                rope_into(k_buf[:, p + c0 : p + c1], k, cos, sin)
-                v_buf[:, p + c0 : p + c1].copy_(v)
+                ws["k"][:, :p].copy_(prefix.keys[li])
+                ws["v"][:, :p].copy_(prefix.values[li])
+            for (c0, c1), (cos, sin) in zip(chunks, rope):
+                self._qkv_chunk(layer, ws, p, c0, c1, cos, sin)
             if captured is not None:
                 start, end = capture
-                captured.keys.append(k_buf[:, start:end].clone())
-                captured.values.append(v_buf[:, start:end].clone())
-            # B. attention over the whole sequence (queries are the last S of `total` keys)
-            attn = causal_attention(q_buf, k_buf, v_buf, self.scale, self.attention_backend)  # [Hq, S, hd]
-            # C. per-token: o_proj + residual, norm, SwiGLU MLP + residual
-            for c0 in range(0, s, chunk):
-                c1 = min(s, c0 + chunk)
-                n = c1 - c0
-                h = hidden[c0:c1]
-                o_rows[:n].view(n, hq, hd).copy_(attn[:, c0:c1].transpose(0, 1))
-                add_linear_(h, o_rows[:n], layer.wo, layer.bo)
-                x = rms_norm(h, layer.post_norm, spec.rms_norm_eps)
-                act = silu_mul_(linear_into(gate_up[:n], x, layer.w_gate_up, layer.b_gate_up))
-                add_linear_(h, act, layer.w_down, layer.b_down)
+                captured.keys.append(ws["k"][:, start:end].clone())
+                captured.values.append(ws["v"][:, start:end].clone())
+            attn = causal_attention(ws["q"], ws["k"], ws["v"], self.scale, self.attention_backend)  # [Hq, S, hd]
+            for c0, c1 in chunks:
+                self._mlp_chunk(layer, ws, attn, c0, c1)
             del attn
 
-        last = rms_norm(hidden[-1:], self.weights.final_norm, spec.rms_norm_eps)  # [1, d]
+        hidden = ws["hidden"]
+        last = torch.empty(1, spec.hidden_size, dtype=self.dtype, device=self.device)
+        rms_norm_into(last, hidden[-1:], self.weights.final_norm, spec.rms_norm_eps, ws["scratch32"][:1, : spec.hidden_size])
         logits = (last @ self.weights.lm_head.t()).float()[0]  # [vocab]: one row, never S x vocab
         return ForwardOutput(logits=logits, captured=captured)
+
+    def _qkv_chunk(self, layer, ws, p, c0, c1, cos, sin) -> None:
+        """A. tokens [c0, c1): norm, fused QKV, (q/k norm), RoPE -> the full-length Q/K/V."""
+        spec, n = self.spec, c1 - c0
+        hq, hkv, hd, qw, kw = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.q_width, spec.kv_width
+        x = rms_norm_into(ws["normed"][:n], ws["hidden"][c0:c1], layer.input_norm, spec.rms_norm_eps, ws["scratch32"][:n, : spec.hidden_size])
+        out = linear_into(ws["qkv"][:n], x, layer.wqkv, layer.bqkv)
+        q = out[:, :qw].view(n, hq, hd)
+        k = out[:, qw : qw + kw].view(n, hkv, hd)
+        v = out[:, qw + kw :].view(n, hkv, hd)
+        if layer.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k, in place
+            rms_norm_into(q, q, layer.q_norm, spec.rms_norm_eps, ws["scratch32"][:n, :qw].view(n, hq, hd))
+            rms_norm_into(k, k, layer.k_norm, spec.rms_norm_eps, ws["scratch32"][:n, :kw].view(n, hkv, hd))
+        rope_into(ws["q"][:, c0:c1], q.transpose(0, 1), cos, sin)
+        rope_into(ws["k"][:, p + c0 : p + c1], k.transpose(0, 1), cos, sin)
+        ws["v"][:, p + c0 : p + c1].copy_(v.transpose(0, 1))
+
+    def _mlp_chunk(self, layer, ws, attn, c0, c1) -> None:
+        """C. tokens [c0, c1): o_proj + residual, norm, SwiGLU MLP + residual."""
+        spec, n = self.spec, c1 - c0
+        h = ws["hidden"][c0:c1]
+        o = ws["o_rows"][:n]
+        o.view(n, spec.num_heads, spec.head_dim).copy_(attn[:, c0:c1].transpose(0, 1))
+        add_linear_(h, o, layer.wo, layer.bo, ws["proj"][:n])
+        x = rms_norm_into(ws["normed"][:n], h, layer.post_norm, spec.rms_norm_eps, ws["scratch32"][:n, : spec.hidden_size])
+        act = swiglu_into(ws["act"][:n], linear_into(ws["gate_up"][:n], x, layer.w_gate_up, layer.b_gate_up))
+        add_linear_(h, act, layer.w_down, layer.b_down, ws["proj"][:n])

@@ -11,9 +11,14 @@ import torch
 
 from .model_spec import ModelSpec
 
-# SDPA's own workspace on CPU (per-thread score blocks, bf16->fp32 staging): measured a few
-# MB at 1K-32K tokens for small heads; this constant plus the per-query-row term covers it.
-_ATTENTION_FIXED_BYTES = 8 << 20
+# torch SDPA's output and internal buffers, per query element ([S, q_width]), and its
+# per-thread fixed blocks. Measured on CPU (memory_probe: growth minus the workspace) at
+# 8K-16K tokens: ~6 B per query element in both bf16 and fp32 for small GQA configs, ~9 on
+# SmolLM2 (9 heads / 3 KV heads). tests/test_memory.py keeps the whole prediction within 15%.
+_ATTENTION_BYTES_PER_QUERY_ELEMENT = 6
+_ATTENTION_FIXED_BYTES = 2 << 20
+
+from .workspace import plan_workspace
 
 
 def predict_peak_bytes(
@@ -24,27 +29,18 @@ def predict_peak_bytes(
     prefix_tokens: int = 0,
     captured_tokens: int = 0,
 ) -> int:
-    """Peak extra bytes of a forward over `new_tokens` after `prefix_tokens` of given K/V."""
-    e = torch.tensor([], dtype=dtype).element_size()
-    s, total = new_tokens, prefix_tokens + new_tokens
-    c = s if not chunk_size or chunk_size >= s else chunk_size
-    d, f = spec.hidden_size, spec.intermediate_size
+    """Peak extra bytes of a forward over `new_tokens` after `prefix_tokens` of given K/V.
 
-    request_buffers = e * (s * d + s * spec.q_width + 2 * total * spec.kv_width)  # residual, Q, K, V
-    chunk_buffers = e * c * (spec.qkv_width + spec.q_width + 2 * f)  # qkv, o rows, gate_up
-    attention_out = e * s * spec.q_width
-    # transient per chunk: the RMSNorm output (+ its float32 statistics) and q/k-norm copies
-    chunk_transient = c * d * (e + 4) + (e * c * (spec.q_width + spec.kv_width) if spec.qk_norm else 0)
-    attention_transient = _ATTENTION_FIXED_BYTES + 4 * s * spec.num_heads * 16
+    = the request's workspace (exact, the executor allocates this plan) + attention's output
+    and its transient copies + captured prefix K/V + the last-row logits.
+    """
+    e = torch.tensor([], dtype=dtype).element_size()
+    s = new_tokens
+    workspace = plan_workspace(spec, s, chunk_size, dtype, prefix_tokens).nbytes()
+    attention = _ATTENTION_BYTES_PER_QUERY_ELEMENT * s * spec.q_width + _ATTENTION_FIXED_BYTES
     captured = e * 2 * captured_tokens * spec.kv_width * spec.num_layers
-    logits = spec.vocab_size * (e + 4)
-    return (
-        request_buffers
-        + chunk_buffers
-        + attention_out
-        + max(chunk_transient, attention_transient, logits)
-        + captured
-    )
+    small = s * (8 + spec.head_dim * e) + spec.vocab_size * (e + 4)  # ids, RoPE tables, logits
+    return workspace + attention + captured + small
 
 
 class PeakMemoryMeter:

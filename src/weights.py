@@ -17,9 +17,14 @@ from .errors import ConfigError
 from .model_spec import ModelSpec
 
 
+# Norm weights are kept in float32 whatever the model dtype: they are tiny, and the norm
+# kernel multiplies them into float32 statistics before the single rounding to the dtype.
+NORM_DTYPE = torch.float32
+
+
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor  # [d]
+    input_norm: torch.Tensor  # [d] float32
     wqkv: torch.Tensor  # [q_width + 2*kv_width, d]
     bqkv: torch.Tensor | None  # [q_width + 2*kv_width]
     q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
@@ -57,9 +62,12 @@ class ModelWeights:
     def load(cls, folder: str, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> "ModelWeights":
         reader = _SafetensorsFolder(folder)
 
-        def get(name: str, required: bool = True):
+        def get(name: str, required: bool = True, as_dtype: torch.dtype = dtype):
             t = reader.get(name, required)
-            return None if t is None else t.to(device=device, dtype=dtype)
+            return None if t is None else t.to(device=device, dtype=as_dtype)
+
+        def norm(name: str):
+            return get(name, as_dtype=NORM_DTYPE)
 
         def cat(names: list[str], required: bool = True):
             parts = [reader.get(n, required) for n in names]
@@ -74,14 +82,14 @@ class ModelWeights:
             mlp = [p + "mlp.gate_proj", p + "mlp.up_proj"]
             layers.append(
                 LayerWeights(
-                    input_norm=get(p + "input_layernorm.weight"),
+                    input_norm=norm(p + "input_layernorm.weight"),
                     wqkv=cat([n + ".weight" for n in attn]),
                     bqkv=cat([n + ".bias" for n in attn], required=spec.qkv_bias) if spec.qkv_bias else None,
-                    q_norm=get(p + "self_attn.q_norm.weight") if spec.qk_norm else None,
-                    k_norm=get(p + "self_attn.k_norm.weight") if spec.qk_norm else None,
+                    q_norm=norm(p + "self_attn.q_norm.weight") if spec.qk_norm else None,
+                    k_norm=norm(p + "self_attn.k_norm.weight") if spec.qk_norm else None,
                     wo=get(p + "self_attn.o_proj.weight"),
                     bo=get(p + "self_attn.o_proj.bias") if spec.o_bias else None,
-                    post_norm=get(p + "post_attention_layernorm.weight"),
+                    post_norm=norm(p + "post_attention_layernorm.weight"),
                     w_gate_up=cat([n + ".weight" for n in mlp]),
                     b_gate_up=cat([n + ".bias" for n in mlp]) if spec.mlp_bias else None,
                     w_down=get(p + "mlp.down_proj.weight"),
@@ -92,7 +100,7 @@ class ModelWeights:
         lm_head = embed if spec.tie_word_embeddings else get("lm_head.weight", required=False)
         if lm_head is None:  # some tied checkpoints omit the flag but also the tensor
             lm_head = embed
-        weights = cls(embed=embed, layers=layers, final_norm=get("model.norm.weight"), lm_head=lm_head)
+        weights = cls(embed=embed, layers=layers, final_norm=norm("model.norm.weight"), lm_head=lm_head)
         weights.check_shapes(spec)
         return weights
 
@@ -105,7 +113,7 @@ class ModelWeights:
             return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * std).to(dtype)
 
         def ones(n):
-            return torch.ones(n, device=device, dtype=dtype)
+            return torch.ones(n, device=device, dtype=NORM_DTYPE)
 
         d, f, hd = spec.hidden_size, spec.intermediate_size, spec.head_dim
         layers = [

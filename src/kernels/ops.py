@@ -1,7 +1,8 @@
 """Per-token fused ops of the hybrid-prefill layer loop (torch implementations).
 
-Each writes into a caller-provided buffer where it can, so that one chunk's temporaries are
-reused across chunks and layers.
+Every op writes into a caller-provided buffer, so that one chunk's temporaries are allocated
+once per request and reused by every chunk and layer: the request's memory is then exactly
+the workspace (see workspace.py) plus attention's output, which memory.py predicts.
 """
 
 from __future__ import annotations
@@ -10,9 +11,18 @@ import torch
 import torch.nn.functional as F
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim; statistics in float32 as transformers' LlamaRMSNorm."""
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+def rms_norm_into(out: torch.Tensor, x: torch.Tensor, weight32: torch.Tensor, eps: float, scratch32: torch.Tensor) -> torch.Tensor:
+    """out = RMSNorm(x) * weight, statistics in float32 (as transformers' LlamaRMSNorm).
+
+    x, out: [..., n] (out may be x itself); weight32: [n] float32; scratch32: float32 buffer
+    of x's shape. Two elementwise passes instead of the ~6 of a composite RMSNorm, which on
+    CPU in bf16 cost more than the layer's matmuls.
+    """
+    h = scratch32.copy_(x)
+    inv_rms = torch.linalg.vector_norm(h, dim=-1, keepdim=True)  # sqrt(sum x^2)
+    inv_rms.square_().div_(h.shape[-1]).add_(eps).rsqrt_()
+    h.mul_(inv_rms)
+    return torch.mul(h, weight32, out=out)
 
 
 def linear_into(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -22,11 +32,10 @@ def linear_into(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Te
     return torch.addmm(b, x, w.t(), out=out)
 
 
-def add_linear_(acc: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """acc += x @ w.T (+ b), in place: the residual add of o_proj and down_proj."""
-    acc.addmm_(x, w.t())
-    if b is not None:
-        acc.add_(b)
+def add_linear_(acc: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tmp: torch.Tensor) -> torch.Tensor:
+    """acc += x @ w.T (+ b) through the preallocated `tmp` ([rows, w.shape[0]]): the residual
+    adds of o_proj and down_proj, without a hidden temporary."""
+    acc.add_(linear_into(tmp, x, w, b))
     return acc
 
 
@@ -45,9 +54,9 @@ def rope_into(dst: torch.Tensor, src: torch.Tensor, cos: torch.Tensor, sin: torc
     d2.addcmul_(x1, sin)
 
 
-def silu_mul_(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU in place: gate_up [rows, 2F] -> returns view [rows, F] = silu(gate) * up."""
+def swiglu_into(out: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """out [rows, F] = silu(gate) * up, where gate_up [rows, 2F] = [gate | up] (gate is
+    overwritten). Writing a contiguous `out` lets down_proj read it without a copy."""
     f = gate_up.shape[-1] // 2
-    gate, up = gate_up[:, :f], gate_up[:, f:]
-    F.silu(gate, inplace=True)
-    return gate.mul_(up)
+    gate = F.silu(gate_up[:, :f], inplace=True)
+    return torch.mul(gate, gate_up[:, f:], out=out)

@@ -1,0 +1,72 @@
+"""Shared fixtures: small random checkpoints of every supported family, the default model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# name -> (config class name, config kwargs). Small but with every feature switched on:
+# GQA, llama3 rope scaling, linear rope scaling, q/k/v bias, q/k norm with head_dim != d/heads,
+# tied and untied heads.
+_SMALL = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, vocab_size=300, max_position_embeddings=1024, rms_norm_eps=1e-5)
+FAMILY_CONFIGS = {
+    "llama_gqa_llama3rope_untied": ("LlamaConfig", dict(_SMALL, num_key_value_heads=2, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 128})),
+    "llama_mha_tied": ("LlamaConfig", dict(_SMALL, num_key_value_heads=4, tie_word_embeddings=True)),
+    "mistral_gqa_linear_rope": ("MistralConfig", dict(_SMALL, num_key_value_heads=1, tie_word_embeddings=False, sliding_window=None,
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
+    "qwen2_bias_tied": ("Qwen2Config", dict(_SMALL, num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen3_qknorm_untied": ("Qwen3Config", dict(_SMALL, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False)),
+}
+
+
+def make_hf_model(name: str, seed: int = 0):
+    """A transformers model of FAMILY_CONFIGS[name] with every parameter randomised (norms too)."""
+    import transformers
+
+    cls_name, kwargs = FAMILY_CONFIGS[name]
+    config = getattr(transformers, cls_name)(**kwargs)
+    config.architectures = [cls_name.replace("Config", "ForCausalLM")]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif pname.endswith("bias"):
+                p.copy_(0.3 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def family_folders(tmp_path_factory):
+    """name -> folder of a saved random checkpoint (config.json + model.safetensors)."""
+    out = {}
+    for name in FAMILY_CONFIGS:
+        folder = tmp_path_factory.mktemp(name)
+        make_hf_model(name).save_pretrained(folder)
+        out[name] = str(folder)
+    return out
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    from prefillonly.config import default_cache_dir
+    from prefillonly.default_model import ensure_default_model
+
+    return ensure_default_model(default_cache_dir())
+
+
+@pytest.fixture(scope="session")
+def default_engine():
+    from prefillonly import Engine, EngineConfig
+
+    with Engine(EngineConfig(dtype="float32", threads=2)) as engine:
+        yield engine

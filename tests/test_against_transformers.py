@@ -1,0 +1,109 @@
+"""Our forward pass equals transformers' forward on identical weights (DESIGN.md standards).
+
+fp32: max |logprob difference| <= 1e-4 against transformers in float64.
+bf16: our max difference from the float64 reference, over a set of prompts, is at most 1.5x
+transformers-bf16's own max difference from it over the same prompts, plus 1e-3. (Per prompt
+the two bf16 errors scatter by up to ~1.7x either way on the real model: rounding noise, not
+bias; so the bound is on the set's maximum.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefillonly.executor import HybridPrefillExecutor
+from prefillonly.model_spec import ModelSpec
+from prefillonly.weights import ModelWeights
+
+from .conftest import FAMILY_CONFIGS
+from .reference import hf_logprobs, load_hf, max_abs
+
+LENGTHS = [1, 2, 17, 130]  # 17 and 130 are not multiples of the chunk sizes below
+CHUNKS = [1, 7, 64, None]  # None = no chunking
+CPU = torch.device("cpu")
+
+
+def _executor(folder, dtype):
+    spec = ModelSpec.from_folder(folder)
+    return HybridPrefillExecutor(spec, ModelWeights.load(folder, spec, dtype, CPU), dtype, CPU, "sdpa")
+
+
+def _ours(executor, ids, chunk):
+    return executor.forward(torch.tensor(ids), chunk).logits.double().log_softmax(-1)
+
+
+def _random_ids(vocab, n, seed):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def references(family_folders):
+    """name -> (float64 HF model, bf16 HF model)."""
+    return {name: (load_hf(folder, torch.float64), load_hf(folder, torch.bfloat16)) for name, folder in family_folders.items()}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_CONFIGS))
+def test_fp32_matches_transformers(family, family_folders, references):
+    ex = _executor(family_folders[family], torch.float32)
+    ref64, _ = references[family]
+    for n in LENGTHS:
+        ids = _random_ids(ex.spec.vocab_size, n, seed=n)
+        want = hf_logprobs(ref64, ids)
+        for chunk in CHUNKS:
+            diff = max_abs(_ours(ex, ids, chunk), want)
+            assert diff <= 1e-4, f"{family} len={n} chunk={chunk}: max logprob diff {diff:.2e}"
+
+
+@pytest.mark.parametrize("family", list(FAMILY_CONFIGS))
+def test_bf16_within_transformers_own_error(family, family_folders, references):
+    ex = _executor(family_folders[family], torch.bfloat16)
+    ref64, ref16 = references[family]
+    for chunk in (7, None):
+        ours_err, hf_err = 0.0, 0.0
+        for n in LENGTHS:
+            ids = _random_ids(ex.spec.vocab_size, n, seed=100 + n)
+            want = hf_logprobs(ref64, ids)
+            hf_err = max(hf_err, max_abs(hf_logprobs(ref16, ids), want))
+            ours_err = max(ours_err, max_abs(_ours(ex, ids, chunk), want))
+        assert ours_err <= 1.5 * hf_err + 1e-3, f"{family} chunk={chunk}: ours {ours_err:.4f} vs transformers-bf16 {hf_err:.4f}"
+
+
+def test_prefix_split_equals_one_pass(family_folders):
+    """Prompt in one go == (prefix K/V given, suffix computed), for several split points."""
+    for family in ("llama_gqa_llama3rope_untied", "qwen3_qknorm_untied", "qwen2_bias_tied"):
+        ex = _executor(family_folders[family], torch.float32)
+        ids = _random_ids(ex.spec.vocab_size, 97, seed=7)
+        whole = _ours(ex, ids, None)
+        for split in (1, 40, 96):
+            prefix = ex.forward(torch.tensor(ids[:split]), 16, capture=(0, split)).captured
+            assert prefix.length == split
+            got = ex.forward(torch.tensor(ids[split:]), 16, prefix=prefix).logits.double().log_softmax(-1)
+            assert max_abs(got, whole) <= 1e-4, f"{family} split at {split}"
+
+
+def test_real_default_model_matches_transformers(default_model_path):
+    """The embedded SmolLM2 on text prompts, fp32 and bf16."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_path)
+    prompts = [
+        "Is the sky blue on a clear day? Answer:",
+        "User profile: likes hiking, photography and mountain villages.\nPost: 10 best trails in the Alps.\nWould the user click? Answer:",
+        "The capital of France is",
+        "Credit history: 12 late payments in 2023, income 50k. Approve? Answer:",
+        "Review: the food was cold and the waiter rude. Sentiment (positive/negative):",
+        "Ticket: my laptop does not boot after the update. Category (hardware/software/billing):",
+    ]
+    ref64 = load_hf(default_model_path, torch.float64)
+    ref16 = load_hf(default_model_path, torch.bfloat16)
+    ex32 = _executor(default_model_path, torch.float32)
+    ex16 = _executor(default_model_path, torch.bfloat16)
+    ours_err, hf_err = 0.0, 0.0
+    for text in prompts:
+        ids = tok.encode(text)
+        want = hf_logprobs(ref64, ids)
+        assert max_abs(_ours(ex32, ids, 5), want) <= 1e-4, text
+        hf_err = max(hf_err, max_abs(hf_logprobs(ref16, ids), want))
+        ours_err = max(ours_err, max_abs(_ours(ex16, ids, 5), want))
+    assert ours_err <= 1.5 * hf_err + 1e-3, f"bf16: ours {ours_err:.4f} vs transformers-bf16 {hf_err:.4f}"

@@ -1,0 +1,48 @@
+"""EngineConfig validation: each bad value is a ConfigError naming the setting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from prefillonly import ConfigError, EngineConfig, UnsupportedModelError
+from prefillonly.model_spec import ModelSpec
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(dtype="int8"), "dtype 'int8'"),
+        (dict(device="tpu"), "device 'tpu'"),
+        (dict(dtype="float16"), "float16 is only supported on CUDA"),
+        (dict(chunk_size="abc"), "chunk_size must be an integer"),
+        (dict(chunk_size=-1), "chunk_size must be >= 0"),
+        (dict(max_input_len=0), "max_input_len must be >= 1"),
+        (dict(threads=0), "threads must be >= 1"),
+        (dict(attention_backend="magic"), "attention_backend 'magic'"),
+        (dict(model="/no/such/folder"), "does not exist"),
+    ],
+)
+def test_bad_values(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(**kwargs)
+
+
+def test_string_settings_and_aliases():
+    c = EngineConfig.from_strings({"dtype": "bf16", "chunk_size": "none", "max_input_len": "40_000", "threads": "2"})
+    assert (c.dtype, c.chunk_size, c.max_input_len, c.threads) == ("bfloat16", None, 40000, 2)
+    assert EngineConfig(chunk_size=0).chunk_size is None
+    with pytest.raises(ConfigError, match="unknown engine setting"):
+        EngineConfig.from_strings({"chunk": "5"})
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        ModelSpec.from_folder(str(tmp_path))
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        ModelSpec.from_folder(str(tmp_path))

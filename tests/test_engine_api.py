@@ -1,0 +1,116 @@
+"""Engine.score on the embedded default model: results, options, and every bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from prefillonly import Engine, EngineConfig, InvalidRequestError, OverBudgetError, PromptTooLongError
+
+PROMPT = "Is the sky blue on a clear day? Answer:"
+
+
+def test_score_text_and_ids_agree_and_are_normalised(default_engine):
+    e = default_engine
+    r = e.score(PROMPT, [" Yes", " No"])
+    ids = e.encoder.tokenizer.encode(PROMPT)
+    r2 = e.score(ids, [" Yes", e.encoder.tokenizer.encode(" No", add_special_tokens=False)[0]])
+    assert [t.text for t in r.tokens] == [" Yes", " No"]
+    assert [t.id for t in r.tokens] == [t.id for t in r2.tokens]
+    assert all(abs(a.logprob - b.logprob) < 1e-6 for a, b in zip(r.tokens, r2.tokens))
+    assert math.isclose(sum(t.prob for t in r.tokens), 1.0, rel_tol=1e-6)
+    assert r.chosen == max(r.tokens, key=lambda t: t.prob)
+    assert r.prompt_tokens == len(ids) and r.cached_tokens == 0
+    # prob is the softmax of the allowed logprobs
+    lp = torch.tensor([t.logprob for t in r.tokens])
+    assert torch.allclose(lp.softmax(0), torch.tensor([t.prob for t in r.tokens]), atol=1e-6)
+
+
+def test_logprobs_are_full_vocabulary_and_order_is_kept(default_engine):
+    e = default_engine
+    ids = e.encoder.tokenizer.encode(PROMPT)
+    full = e.executor.forward(torch.tensor(ids), None).logits.log_softmax(-1)
+    r = e.score(ids, [2838, 9230, 17])  # " No", " Yes", another id: order as asked
+    assert [t.id for t in r.tokens] == [2838, 9230, 17]
+    for t in r.tokens:
+        assert abs(t.logprob - float(full[t.id])) < 1e-5
+
+
+def test_top_k(default_engine):
+    r = default_engine.score(PROMPT, [" Yes", " No"], top_k=5)
+    assert len(r.top_k) == 5
+    lps = [t.logprob for t in r.top_k]
+    assert lps == sorted(lps, reverse=True)
+    assert all(abs(t.prob - math.exp(t.logprob)) < 1e-6 for t in r.top_k)
+    assert default_engine.score(PROMPT, [" Yes"]).top_k == []
+
+
+def test_chat_template_changes_the_prompt(default_engine):
+    plain = default_engine.score("Is water wet?", ["Yes", "No"])
+    chat = default_engine.score("Is water wet?", ["Yes", "No"], apply_chat_template=True)
+    assert chat.prompt_tokens > plain.prompt_tokens
+
+
+def test_peak_bytes_measured(default_engine):
+    r = default_engine.score(list(range(1000, 1600)), [" Yes"])
+    assert r.peak_bytes is not None and r.peak_bytes > 0
+
+
+BAD_INPUTS = [
+    (dict(prompt="", allowed_tokens=[" Yes"]), InvalidRequestError, "prompt is empty"),
+    (dict(prompt=[], allowed_tokens=[" Yes"]), InvalidRequestError, "prompt is empty"),
+    (dict(prompt=[1, 2, 49152], allowed_tokens=[" Yes"]), InvalidRequestError, "prompt token id 49152 is outside the vocabulary"),
+    (dict(prompt=[1, -3], allowed_tokens=[" Yes"]), InvalidRequestError, "prompt token id -3 is outside the vocabulary"),
+    (dict(prompt=[1, 2.5], allowed_tokens=[" Yes"]), InvalidRequestError, "2.5 is not an integer"),
+    (dict(prompt=PROMPT, allowed_tokens=[]), InvalidRequestError, "allowed_tokens is empty"),
+    (dict(prompt=PROMPT, allowed_tokens=" Yes"), InvalidRequestError, "must be a list"),
+    (dict(prompt=PROMPT, allowed_tokens=[70000]), InvalidRequestError, "allowed token id 70000 is outside the vocabulary"),
+    (dict(prompt=PROMPT, allowed_tokens=[" Yes", " No", " Yes"]), InvalidRequestError, "same token"),
+    (dict(prompt=PROMPT, allowed_tokens=[9230, " Yes"]), InvalidRequestError, "same token"),
+    (dict(prompt=PROMPT, allowed_tokens=["Yes please"]), InvalidRequestError, "'Yes please' encodes to 2 tokens"),
+    (dict(prompt=PROMPT, allowed_tokens=[""]), InvalidRequestError, "empty"),
+    (dict(prompt=b"caf\xe9 ok", allowed_tokens=[" Yes"]), InvalidRequestError, "not valid UTF-8: byte 0xe9 at offset 3"),
+    (dict(prompt="bad \udcff surrogate", allowed_tokens=[" Yes"]), InvalidRequestError, "not valid Unicode"),
+    (dict(prompt=PROMPT, allowed_tokens=[b"\xff"]), InvalidRequestError, "not valid UTF-8"),
+    (dict(prompt=PROMPT, allowed_tokens=[" Yes"], top_k=-1), InvalidRequestError, "top_k -1"),
+    (dict(prompt=PROMPT, allowed_tokens=[" Yes"], top_k="3"), InvalidRequestError, "top_k must be an integer"),
+    (dict(prompt=[1, 2, 3], allowed_tokens=[" Yes"], apply_chat_template=True), InvalidRequestError, "needs a text prompt"),
+    (dict(prompt=list(range(8193)), allowed_tokens=[" Yes"]), PromptTooLongError, "8193 tokens, over the max input length 8192"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,match", BAD_INPUTS, ids=[m for _, _, m in BAD_INPUTS])
+def test_bad_input_is_a_clear_error_and_the_next_request_is_served(default_engine, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        default_engine.score(kwargs.pop("prompt"), kwargs.pop("allowed_tokens"), **kwargs)
+    assert default_engine.score(PROMPT, [" Yes", " No"]).chosen.text in (" Yes", " No")
+
+
+def test_multi_token_string_hints_at_leading_space(default_engine):
+    with pytest.raises(InvalidRequestError, match="with a leading space"):
+        default_engine.score(PROMPT, ["Absolutely"])  # two tokens; " Absolutely" is one
+
+
+def test_over_memory_budget_is_rejected_before_running(default_model_path):
+    with Engine(EngineConfig(model=default_model_path, activation_budget_bytes=8 << 20, threads=2)) as e:
+        small = e.score(list(range(100, 140)), [" Yes"])  # fits
+        with pytest.raises(OverBudgetError, match="over the budget of 8.0 MiB"):
+            e.score(list(range(100, 2100)), [" Yes"])
+        again = e.score(list(range(100, 140)), [" Yes"])
+        assert again.tokens[0].logprob == pytest.approx(small.tokens[0].logprob, abs=1e-6)
+
+
+def test_max_input_len_override(default_model_path):
+    with Engine(EngineConfig(model=default_model_path, max_input_len=16, threads=2)) as e:
+        with pytest.raises(PromptTooLongError, match="17 tokens, over the max input length 16"):
+            e.score(list(range(17)), [" Yes"])
+        assert e.score(list(range(16)), [" Yes"]).prompt_tokens == 16
+
+
+def test_closed_engine_refuses(default_model_path):
+    e = Engine(EngineConfig(model=default_model_path, threads=2))
+    e.close()
+    with pytest.raises(InvalidRequestError, match="closed"):
+        e.score(PROMPT, [" Yes"])
