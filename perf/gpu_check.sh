@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# One-shot GPU check of prefillonly (correctness, speed/MFU, peak memory, SDPA backends).
+#
+#   bash perf/gpu_check.sh OUT_DIR [extra gpu_check.py args, e.g. --smoke]
+#
+# Run from anywhere; it works in the repository root. Writes OUT_DIR/env.txt (nvidia-smi and
+# library versions), OUT_DIR/gpu_check.log (everything printed), OUT_DIR/gpu_check.json and
+# OUT_DIR/gpu_check.md (results, rewritten after every measurement so a cut-short run keeps
+# what it measured). Ends within 8 minutes whatever happens: every stage has a timeout, and the
+# Python part gets what is left of a 470 s allowance (at most 450 s).
+# Set PYTHON to choose the interpreter (default: python, else python3).
+set -u
+
+OUT="${1:?usage: bash perf/gpu_check.sh OUT_DIR [gpu_check.py args]}"
+shift
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+cd "$(dirname "$0")/.." || exit 1
+export PIP_DISABLE_PIP_VERSION_CHECK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+
+PY="${PYTHON:-python}"
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+
+# 1. Make `import prefillonly` work: pip install if needed, else a symlink shim on PYTHONPATH
+#    (pyproject maps the package name prefillonly to src/).
+if ! timeout 60 "$PY" -c 'import prefillonly' >/dev/null 2>&1; then
+    echo "prefillonly not importable: pip install --no-deps --no-build-isolation ."
+    if ! timeout 60 "$PY" -m pip install -q --no-deps --no-build-isolation --no-index . >"$OUT/pip_install.log" 2>&1 \
+        || ! timeout 60 "$PY" -c 'import prefillonly' >/dev/null 2>&1; then
+        echo "pip install failed (see $OUT/pip_install.log); using a PYTHONPATH shim to src/"
+        SHIM="$(mktemp -d)"
+        trap 'rm -rf "$SHIM"' EXIT
+        ln -s "$PWD/src" "$SHIM/prefillonly"
+        export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+fi
+
+# 2. Environment: GPU and library versions
+{
+    echo "date: $(date -Is)   host: $(hostname)   python: $(command -v "$PY")"
+    timeout 20 nvidia-smi 2>&1 || echo "nvidia-smi unavailable"
+    timeout 60 "$PY" - <<'EOF' 2>&1 || echo "version probe failed"
+import importlib
+import prefillonly
+print("prefillonly from", prefillonly.__file__)
+for name in ("torch", "transformers", "triton", "safetensors", "flash_attn"):
+    try:
+        print(name, importlib.import_module(name).__version__)
+    except Exception as exc:
+        print(name, "unavailable:", type(exc).__name__, exc)
+import torch
+print("torch.version.cuda", torch.version.cuda, "| cuda available", torch.cuda.is_available(),
+      "| cudnn", torch.backends.cudnn.version() if torch.cuda.is_available() else None)
+EOF
+} >"$OUT/env.txt"
+cat "$OUT/env.txt"
+
+# 3. The check itself, under a hard time limit; its own budget ends it cleanly before that
+LIMIT=$((470 - SECONDS))
+[ "$LIMIT" -gt 450 ] && LIMIT=450
+[ "$LIMIT" -lt 60 ] && LIMIT=60
+BUDGET=$((LIMIT - 40))
+[ "$BUDGET" -lt 30 ] && BUDGET=30
+echo "running perf/gpu_check.py (hard limit ${LIMIT}s, own budget ${BUDGET}s)"
+timeout -k 10 "$LIMIT" "$PY" -u perf/gpu_check.py --out "$OUT" --budget-s "$BUDGET" "$@" 2>&1 | tee "$OUT/gpu_check.log"
+RC=${PIPESTATUS[0]}
+if [ "$RC" -ne 0 ]; then
+    echo "gpu_check.py exited with status $RC (124/137: hit the ${LIMIT}s limit); partial results:" | tee -a "$OUT/gpu_check.log"
+    [ -f "$OUT/gpu_check.md" ] && cat "$OUT/gpu_check.md"
+fi
+exit "$RC"
