@@ -12,8 +12,10 @@ tests and by perf/ benchmarks.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
+import time
 
 import torch
 
@@ -47,13 +49,16 @@ def measure(args) -> dict:
     meter = PeakMemoryMeter(device)
     if not meter.available:
         raise SystemExit("cannot reset the RSS high-water mark (/proc/self/clear_refs not writable)")
+    gc.collect()
     meter.start()
+    t0 = time.perf_counter()
     run(ids)
+    seconds = time.perf_counter() - t0
     measured = meter.peak_growth()
     chunk = args.chunk_size or None
     predicted = predict_peak_bytes(spec, args.tokens, chunk, dtype) if args.system == "prefillonly" else None
     return dict(system=args.system, tokens=args.tokens, chunk_size=chunk, dtype=args.dtype, measured_bytes=measured,
-                predicted_bytes=predicted, bytes_per_token=measured / args.tokens)
+                predicted_bytes=predicted, bytes_per_token=measured / args.tokens, seconds=seconds)
 
 
 def _prefillonly_runner(args, spec, dtype, device):

@@ -1,0 +1,130 @@
+"""Small helpers shared by the perf/ benchmark scripts: machine facts, peak RSS, result files.
+
+Benchmarks write one section of perf/RESULTS.md each ("## <title>") and keep the other
+sections as they are, plus raw JSON under perf/results/ (DESIGN.md §8).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+PERF_DIR = Path(__file__).resolve().parent
+REPO_ROOT = PERF_DIR.parent
+
+
+def log(msg: str) -> None:
+    """Progress line, flushed at once (runs take minutes; the lead watches them)."""
+    print(f"[{datetime.datetime.now():%H:%M:%S}] {msg}", flush=True)
+
+
+def now_iso() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def command_line() -> str:
+    """The command as typed from the repository root, for the results file."""
+    script = os.path.relpath(os.path.abspath(sys.argv[0]), REPO_ROOT)
+    return shlex.join(["python", script, *sys.argv[1:]])
+
+
+def machine_info(threads: int) -> dict:
+    import torch
+
+    return {
+        "cpu": _lscpu_field("Model name") or platform.processor() or "unknown",
+        "cores": os.cpu_count(),
+        "memory_gib": round(_meminfo_bytes("MemTotal") / 2**30, 1),
+        "torch": torch.__version__,
+        "threads": threads,
+        "python": platform.python_version(),
+    }
+
+
+def machine_line(m: dict) -> str:
+    return f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB RAM; torch {m['torch']}, {m['threads']} threads, Python {m['python']}"
+
+
+def _lscpu_field(name: str) -> str | None:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == name:
+            return value.strip()
+    return None
+
+
+def _meminfo_bytes(key: str) -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+# -- peak RSS, measured as DESIGN.md §10 says --------------------------------------------
+def status_bytes(key: str) -> int:
+    """A /proc/self/status field (VmRSS, VmHWM) in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+def reset_rss_high_water_mark() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+# -- small maths ------------------------------------------------------------------------
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+# -- result files -----------------------------------------------------------------------
+def load_json(path: Path) -> dict:
+    if path.is_file():
+        with open(path) as f:
+            return json.load(f)
+    return {}
+
+
+def save_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+
+
+def replace_section(path: Path, heading: str, body: str) -> None:
+    """Write `heading` + `body` into the markdown file, replacing only that section.
+
+    A section runs from its "## " heading to the next "## " heading (or the end).
+    """
+    text = path.read_text() if path.is_file() else "# Performance results\n\nWritten by the scripts under perf/.\n"
+    section = f"{heading}\n\n{body.strip()}\n"
+    pattern = re.compile(rf"^{re.escape(heading)}[ \t]*\n.*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section + "\n", text, count=1)
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text.rstrip("\n") + "\n")
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
