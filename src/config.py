@@ -33,6 +33,10 @@ class EngineConfig:
     activation_budget_bytes: int | None = None  # one request's transient peak; None = 90% of free memory at start
     threads: int | None = None  # torch intra-op threads (CPU); None = torch's default
     attention_backend: str = "auto"  # auto | sdpa | flash_attn
+    cache_budget_bytes: int | None = None  # prefix-KV pool; None = 20% of free memory at start; 0 = no cache
+    cache_block_size: int = 64  # tokens per cached block (the unit of prefix reuse)
+    cache_second_tier_bytes: int = 0  # blocks evicted from the pool go here (host memory); 0 = off
+    max_items: int = 256  # most items one multi-item request may carry
     cache_dir: str = field(default_factory=default_cache_dir)  # converted default model
 
     def __post_init__(self) -> None:
@@ -50,6 +54,10 @@ class EngineConfig:
         self.max_input_len = _optional_int("max_input_len", self.max_input_len, minimum=1)
         self.activation_budget_bytes = _optional_int("activation_budget_bytes", self.activation_budget_bytes, minimum=1)
         self.threads = _optional_int("threads", self.threads, minimum=1)
+        self.cache_budget_bytes = _optional_int("cache_budget_bytes", self.cache_budget_bytes, minimum=0)
+        self.cache_block_size = _optional_int("cache_block_size", self.cache_block_size, minimum=1)
+        self.cache_second_tier_bytes = _optional_int("cache_second_tier_bytes", self.cache_second_tier_bytes, minimum=0) or 0
+        self.max_items = _optional_int("max_items", self.max_items, minimum=1)
         if self.attention_backend not in BACKENDS:
             raise ConfigError(f"attention_backend {self.attention_backend!r} unknown; choose one of {', '.join(BACKENDS)}")
         if self.model is not None and not os.path.isdir(str(self.model)):

@@ -4,19 +4,25 @@
         r = engine.score("Is the sky blue? Answer:", [" Yes", " No"])
         r.chosen.text, r.chosen.prob
 
-Request path: validate + tokenize (prompts.py) -> admission (length, memory budget) ->
-HybridPrefillExecutor.forward (executor.py) -> ScoreResult (scoring.py).
+Request path: validate + tokenize (prompts.py) -> prefix cache: match/pin cached blocks,
+reserve blocks to keep (cache/) -> admission (length, memory budget) ->
+HybridPrefillExecutor.forward over the uncached tokens (executor.py) -> commit the new blocks
+-> ScoreResult (scoring.py).
 """
 
 from __future__ import annotations
 
 import logging
 import numbers
+import os
 import threading
 import time
+from contextlib import contextmanager
 
 import torch
 
+from .cache import PrefixCache
+from .cache.prefix_kv import PrefixKV
 from .config import EngineConfig
 from .default_model import ensure_default_model
 from .errors import ConfigError, InvalidRequestError, OverBudgetError, PromptTooLongError
@@ -31,7 +37,9 @@ from .weights import ModelWeights
 
 log = logging.getLogger("prefillonly")
 
-# Fraction of the memory free at start-up that the default activation budget may use.
+# Shares of the memory free at start-up that the defaults may use: the prefix-KV pool first,
+# then the activation budget out of what is left.
+_DEFAULT_CACHE_FRACTION = 0.2
 _DEFAULT_BUDGET_FRACTION = 0.9
 
 
@@ -55,44 +63,102 @@ class Engine:
                 "max_input_len %d exceeds the model's context length %d (explicit override)",
                 self.max_input_len, self.spec.context_length,
             )
-        self.activation_budget_bytes = config.activation_budget_bytes or int(
-            _DEFAULT_BUDGET_FRACTION * available_memory_bytes(self.device)
-        )
+        free = available_memory_bytes(self.device)
+        cache_bytes = config.cache_budget_bytes
+        if cache_bytes is None:
+            cache_bytes = int(_DEFAULT_CACHE_FRACTION * free)
+        # the pool's pages are counted now even where the OS maps them lazily (CPU)
+        self.activation_budget_bytes = config.activation_budget_bytes or int(_DEFAULT_BUDGET_FRACTION * max(0, free - cache_bytes))
+        self.cache = self._make_cache(cache_bytes)
         self._meter = PeakMemoryMeter(self.device)
         self._lock = threading.Lock()  # one forward at a time: prefill is compute-bound
         self._closed = False
         self.executor.forward(torch.zeros(8, dtype=torch.long), config.chunk_size)  # warm-up
         log.info(
-            "engine ready: %s (%s, %d layers) %s on %s, chunk %s, attention %s, max input %d, budget %.1f MiB, %.1f s",
+            "engine ready: %s (%s, %d layers) %s on %s, chunk %s, attention %s, max input %d, "
+            "prefix cache %.1f MiB in blocks of %d (+%.1f MiB second tier), activation budget %.1f MiB, %.1f s",
             self.model_path, self.spec.architecture, self.spec.num_layers, config.dtype, self.device,
-            config.chunk_size or "none", backend, self.max_input_len, self.activation_budget_bytes / 2**20,
-            time.perf_counter() - t0,
+            config.chunk_size or "none", backend, self.max_input_len,
+            cache_bytes / 2**20, config.cache_block_size, config.cache_second_tier_bytes / 2**20,
+            self.activation_budget_bytes / 2**20, time.perf_counter() - t0,
         )
 
     # -- public API -------------------------------------------------------------------
-    def score(self, prompt, allowed_tokens, *, top_k: int = 0, apply_chat_template: bool = False) -> ScoreResult:
+    def score(self, prompt, allowed_tokens, *, top_k: int = 0, apply_chat_template: bool = False,
+              cache_prefix_len: int | None = None, cache_namespace: str | None = None) -> ScoreResult:
         """Probability of each allowed token at the position after `prompt` (one forward pass).
 
         prompt: text, UTF-8 bytes, or a sequence of token ids. allowed_tokens: strings (each
         exactly one token, e.g. " Yes") and/or token ids. top_k: also return the k most likely
-        tokens of the full vocabulary.
+        tokens of the full vocabulary. cache_prefix_len: keep at most this many leading tokens
+        in the prefix cache (e.g. the shared user profile); default the whole prompt.
+        cache_namespace: cache hits never cross namespaces (tenant / user isolation).
         """
-        if self._closed:
-            raise InvalidRequestError("engine is closed")
+        self._check_open()
         allowed_ids = self.encoder.resolve_allowed(allowed_tokens)
         top_k = self._check_top_k(top_k)
         ids = self.encoder.encode_prompt(prompt, apply_chat_template=apply_chat_template)
-        self._admit(len(ids))
-        token_ids = torch.tensor(ids, dtype=torch.long)
-        with self._lock:
+        keep = self._check_cache_prefix_len(cache_prefix_len, len(ids))
+        namespace = _check_namespace(cache_namespace)
+        self._check_length(len(ids))
+        with self._lock, self._cached_prefix(ids, namespace, keep) as ticket:
+            p = ticket.cached_tokens if ticket else 0
+            self._check_budget(len(ids) - p, p)
             self._meter.start()
-            out = self.executor.forward(token_ids, self.config.chunk_size)
+            out = self.executor.forward(
+                torch.tensor(ids[p:], dtype=torch.long), self.config.chunk_size,
+                prefix=ticket.source if ticket else None, sink=ticket.sink if ticket else None,
+            )
             peak = self._meter.peak_growth()
-        return build_result(out.logits, allowed_ids, top_k, self.encoder.token_text, len(ids), 0, peak)
+        return build_result(out.logits, allowed_ids, top_k, self.encoder.token_text, len(ids), p, peak)
 
-    def predict_peak_bytes(self, prompt_tokens: int) -> int:
-        """Predicted peak extra memory of a request of `prompt_tokens` tokens."""
-        return predict_peak_bytes(self.spec, prompt_tokens, self.config.chunk_size, self.dtype)
+    def score_items(self, prompt, items, allowed_tokens, *, item_template: str | None = None, top_k: int = 0,
+                    apply_chat_template: bool = False, cache_prefix_len: int | None = None,
+                    cache_namespace: str | None = None) -> list[ScoreResult]:
+        """Score N items that share one prompt (e.g. a user profile and candidate posts).
+
+        The shared prompt is computed once per request (its K/V held for the request, whatever
+        the cache budget) and each item is scored as a suffix over it: result i is the
+        distribution after `prompt + item_i`. Items are text (tokenized on their own, without
+        special tokens; `item_template` such as "\\nPost: {item}\\nAnswer:" is applied first)
+        or token ids. The shared prompt goes through the prefix cache like a plain request
+        (cache_prefix_len defaults to the whole shared prompt).
+        """
+        self._check_open()
+        allowed_ids = self.encoder.resolve_allowed(allowed_tokens)
+        top_k = self._check_top_k(top_k)
+        shared = self.encoder.encode_prompt(prompt, apply_chat_template=apply_chat_template)
+        item_ids = self._encode_items(items, item_template)
+        keep = self._check_cache_prefix_len(cache_prefix_len, len(shared))
+        namespace = _check_namespace(cache_namespace)
+        self._check_length(len(shared) + max(len(x) for x in item_ids))
+        results = []
+        with self._lock, self._cached_prefix(shared, namespace, keep) as ticket:
+            p = ticket.cached_tokens if ticket else 0
+            longest = max(len(x) for x in item_ids)
+            self._check_budget(len(shared) - p, p, captured=len(shared))
+            self._check_budget(longest, len(shared), held=len(shared))
+            # the shared prompt's K/V for every layer, held for this request only
+            shared_kv: PrefixKV = self.executor.forward(
+                torch.tensor(shared[p:], dtype=torch.long), self.config.chunk_size,
+                prefix=ticket.source if ticket else None, sink=ticket.sink if ticket else None,
+                capture=(0, len(shared)),
+            ).captured
+            for ids in item_ids:
+                self._meter.start()
+                out = self.executor.forward(torch.tensor(ids, dtype=torch.long), self.config.chunk_size, prefix=shared_kv)
+                peak = self._meter.peak_growth()
+                results.append(build_result(out.logits, allowed_ids, top_k, self.encoder.token_text,
+                                            len(shared) + len(ids), p, peak))
+        return results
+
+    def predict_peak_bytes(self, new_tokens: int, prefix_tokens: int = 0) -> int:
+        """Predicted peak extra memory of computing `new_tokens` after `prefix_tokens` cached ones."""
+        return predict_peak_bytes(self.spec, new_tokens, self.config.chunk_size, self.dtype, prefix_tokens)
+
+    def cached_prefix_tokens(self, prompt_ids, cache_namespace: str | None = None) -> int:
+        """Leading tokens of `prompt_ids` cached now (what a request would not recompute)."""
+        return self.cache.cached_tokens(list(prompt_ids), cache_namespace) if self.cache else 0
 
     def close(self) -> None:
         self._closed = True
@@ -103,15 +169,47 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -- admission ----------------------------------------------------------------------
-    def _admit(self, n: int) -> None:
+    # -- prefix cache -------------------------------------------------------------------------
+    def _make_cache(self, budget_bytes: int) -> PrefixCache | None:
+        block = self.config.cache_block_size
+        cache = PrefixCache(self.spec, self.dtype, self.device, block, budget_bytes,
+                            self.config.cache_second_tier_bytes, model_id=f"{os.path.realpath(self.model_path)}|{self.dtype}")
+        if cache.index.capacity[1] == 0:
+            if budget_bytes:
+                log.warning("cache_budget_bytes %d is smaller than one block (%d bytes): prefix cache off", budget_bytes, cache.block_bytes)
+            return None
+        return cache
+
+    @contextmanager
+    def _cached_prefix(self, ids, namespace, keep_len):
+        """Pin the cached prefix and reserve blocks to keep; commit them if the body succeeds."""
+        if self.cache is None:
+            yield None
+            return
+        ticket = self.cache.begin(ids, namespace, keep_len)
+        try:
+            yield ticket
+        except BaseException:
+            self.cache.abort(ticket)
+            raise
+        self.cache.commit(ticket)
+
+    # -- validation and admission -------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidRequestError("engine is closed")
+
+    def _check_length(self, n: int) -> None:
         if n > self.max_input_len:
             raise PromptTooLongError(f"prompt has {n} tokens, over the max input length {self.max_input_len}")
-        need = self.predict_peak_bytes(n)
+
+    def _check_budget(self, new_tokens: int, prefix_tokens: int, captured: int = 0, held: int = 0) -> None:
+        need = predict_peak_bytes(self.spec, new_tokens, self.config.chunk_size, self.dtype, prefix_tokens, captured)
+        need += held * 2 * self.spec.kv_width * self.spec.num_layers * torch.tensor([], dtype=self.dtype).element_size()
         if need > self.activation_budget_bytes:
             raise OverBudgetError(
-                f"a {n}-token prompt needs ~{need / 2**20:.1f} MiB of activation memory, over the budget of "
-                f"{self.activation_budget_bytes / 2**20:.1f} MiB (raise activation_budget_bytes or lower chunk_size)"
+                f"a {new_tokens + prefix_tokens}-token prompt needs ~{need / 2**20:.1f} MiB of activation memory, over the "
+                f"budget of {self.activation_budget_bytes / 2**20:.1f} MiB (raise activation_budget_bytes or lower chunk_size)"
             )
 
     def _check_top_k(self, top_k) -> int:
@@ -121,10 +219,41 @@ class Engine:
             raise InvalidRequestError(f"top_k {top_k} must be between 0 and the vocabulary size {self.spec.vocab_size}")
         return int(top_k)
 
+    @staticmethod
+    def _check_cache_prefix_len(value, prompt_len: int) -> int:
+        if value is None:
+            return prompt_len
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise InvalidRequestError(f"cache_prefix_len must be an integer, got {value!r}")
+        if not 0 <= value <= prompt_len:
+            raise InvalidRequestError(f"cache_prefix_len {value} must be between 0 and the prompt length {prompt_len}")
+        return int(value)
+
+    def _encode_items(self, items, template: str | None) -> list[list[int]]:
+        if items is None or isinstance(items, (str, bytes)) or not hasattr(items, "__len__"):
+            raise InvalidRequestError("items must be a list of item texts or token-id lists")
+        if len(items) == 0:
+            raise InvalidRequestError("items is empty; give at least one item")
+        if len(items) > self.config.max_items:
+            raise InvalidRequestError(f"{len(items)} items is over the limit of {self.config.max_items} per request (max_items)")
+        out = []
+        for i, item in enumerate(items):
+            if template is not None and isinstance(item, str):
+                try:
+                    item = template.format(item=item)
+                except (KeyError, IndexError, ValueError) as e:
+                    raise InvalidRequestError(f"item_template {template!r} is not usable: {e}; use {{item}}") from None
+            out.append(self.encoder.encode_prompt(item, what=f"item {i}", add_special_tokens=False))
+        return out
+
+
+def _check_namespace(namespace) -> str | None:
+    if namespace is None or isinstance(namespace, str):
+        return namespace
+    raise InvalidRequestError(f"cache_namespace must be a string, got {type(namespace).__name__}")
+
 
 def _load_tokenizer(folder: str):
-    import os
-
     if not any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         log.info("no tokenizer in %s: the engine takes token ids only", folder)
         return None

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache.prefix_kv import PrefixKV
+from .cache.prefix_kv import CaptureSink, KVSink, PrefixKV, PrefixSource, Sinks
 from .kernels import add_linear_, causal_attention, linear_into, rms_norm_into, rope_into, swiglu_into
 from .model_spec import ModelSpec
 from .rope import RotaryTable
@@ -40,39 +40,40 @@ class HybridPrefillExecutor:
         self.attention_backend = attention_backend
         self.rotary = RotaryTable(spec, device)
         self.scale = spec.head_dim ** -0.5
+        self.tokens_computed = 0  # prompt tokens run through the layers, all requests (a counter)
 
     @torch.inference_mode()
     def forward(
         self,
         token_ids: torch.Tensor,
         chunk_size: int | None,
-        prefix: PrefixKV | None = None,
+        prefix: PrefixSource | None = None,
+        sink: KVSink | None = None,
         capture: tuple[int, int] | None = None,
     ) -> ForwardOutput:
-        """Run the new tokens `token_ids` ([S] int64) after an optional cached `prefix`.
+        """Run the new tokens `token_ids` ([S] int64, S >= 1) after an optional cached `prefix`.
 
-        chunk_size None (or >= S) means no chunking. `capture=(start, end)` returns the K/V of
-        absolute positions [start, end) (prefix positions included) for the prefix cache.
+        chunk_size None (or >= S) means no chunking. `sink` is offered each layer's K/V (the
+        prefix cache keeps its blocks); `capture=(start, end)` returns the K/V of absolute
+        positions [start, end) (prefix positions included) as a PrefixKV.
         """
         spec = self.spec
         p = prefix.length if prefix is not None else 0
+        capture_sink = CaptureSink(*capture) if capture else None
+        sink = Sinks(sink, capture_sink) if (sink is not None or capture_sink is not None) else None
         plan = plan_workspace(spec, int(token_ids.shape[0]), chunk_size, self.dtype, p)
         ws = allocate(plan, self.device)
         torch.index_select(self.weights.embed, 0, token_ids.to(self.device), out=ws["hidden"])
         chunks = [(c0, min(plan.new_tokens, c0 + plan.chunk)) for c0 in range(0, plan.new_tokens, plan.chunk)]
         rope = [self.rotary.cos_sin(p + c0, p + c1, self.dtype) for c0, c1 in chunks]
 
-        captured = PrefixKV([], []) if capture else None
         for li, layer in enumerate(self.weights.layers):
-            if prefix is not None:
-                ws["k"][:, :p].copy_(prefix.keys[li])
-                ws["v"][:, :p].copy_(prefix.values[li])
+            if prefix is not None and p:
+                prefix.load(li, ws["k"][:, :p], ws["v"][:, :p])
             for (c0, c1), (cos, sin) in zip(chunks, rope):
                 self._qkv_chunk(layer, ws, p, c0, c1, cos, sin)
-            if captured is not None:
-                start, end = capture
-                captured.keys.append(ws["k"][:, start:end].clone())
-                captured.values.append(ws["v"][:, start:end].clone())
+            if sink is not None:
+                sink.store(li, ws["k"], ws["v"])
             attn = causal_attention(ws["q"], ws["k"], ws["v"], self.scale, self.attention_backend)  # [Hq, S, hd]
             for c0, c1 in chunks:
                 self._mlp_chunk(layer, ws, attn, c0, c1)
@@ -82,7 +83,8 @@ class HybridPrefillExecutor:
         last = torch.empty(1, spec.hidden_size, dtype=self.dtype, device=self.device)
         rms_norm_into(last, hidden[-1:], self.weights.final_norm, spec.rms_norm_eps, ws["scratch32"][:1, : spec.hidden_size])
         logits = (last @ self.weights.lm_head.t()).float()[0]  # [vocab]: one row, never S x vocab
-        return ForwardOutput(logits=logits, captured=captured)
+        self.tokens_computed += plan.new_tokens
+        return ForwardOutput(logits=logits, captured=capture_sink.captured if capture_sink else None)
 
     def _qkv_chunk(self, layer, ws, p, c0, c1, cos, sin) -> None:
         """A. tokens [c0, c1): norm, fused QKV, (q/k norm), RoPE -> the full-length Q/K/V."""

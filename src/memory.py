@@ -39,8 +39,9 @@ def predict_peak_bytes(
     workspace = plan_workspace(spec, s, chunk_size, dtype, prefix_tokens).nbytes()
     attention = _ATTENTION_BYTES_PER_QUERY_ELEMENT * s * spec.q_width + _ATTENTION_FIXED_BYTES
     captured = e * 2 * captured_tokens * spec.kv_width * spec.num_layers
+    prefix_gather = e * 2 * prefix_tokens * spec.kv_width  # one layer's blocks gathered from the pool
     small = s * (8 + spec.head_dim * e) + spec.vocab_size * (e + 4)  # ids, RoPE tables, logits
-    return workspace + attention + captured + small
+    return workspace + attention + captured + prefix_gather + small
 
 
 class PeakMemoryMeter:

@@ -17,14 +17,16 @@ class PromptEncoder:
         self.tokenizer = tokenizer  # a transformers tokenizer, or None for id-only models
         self.vocab_size = vocab_size
 
-    def encode_prompt(self, prompt, apply_chat_template: bool = False) -> list[int]:
+    def encode_prompt(self, prompt, apply_chat_template: bool = False, what: str = "prompt", add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text/bytes/ids prompt. Items of a multi-item request are encoded with
+        add_special_tokens=False (no BOS in the middle of a sequence)."""
         if isinstance(prompt, (bytes, bytearray)):
-            prompt = _decode_utf8(bytes(prompt), "prompt")
+            prompt = _decode_utf8(bytes(prompt), what)
         if isinstance(prompt, str):
-            _check_encodable(prompt, "prompt")
+            _check_encodable(prompt, what)
             if not prompt:
-                raise InvalidRequestError("prompt is empty")
-            tok = self._need_tokenizer("a text prompt")
+                raise InvalidRequestError(f"{what} is empty")
+            tok = self._need_tokenizer(f"a text {what}")
             if apply_chat_template:
                 if not getattr(tok, "chat_template", None):
                     raise InvalidRequestError("apply_chat_template was requested but the model's tokenizer has no chat template")
@@ -32,14 +34,14 @@ class PromptEncoder:
                 if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
                     ids = ids["input_ids"]
             else:
-                ids = tok.encode(prompt)
+                ids = tok.encode(prompt, add_special_tokens=add_special_tokens)
             ids = list(ids)
         else:
             if apply_chat_template:
                 raise InvalidRequestError("apply_chat_template needs a text prompt, not token ids")
-            ids = self._ids(prompt, "prompt")
+            ids = self._ids(prompt, what)
         if not ids:
-            raise InvalidRequestError("prompt is empty (0 tokens)")
+            raise InvalidRequestError(f"{what} is empty (0 tokens)")
         return ids
 
     def resolve_allowed(self, allowed) -> list[int]:

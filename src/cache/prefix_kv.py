@@ -1,10 +1,29 @@
-"""PrefixKV: the K/V of a prompt prefix for every layer, as the executor consumes and produces it."""
+"""How K/V of a prompt prefix flows into and out of the executor.
+
+The executor asks a *source* to fill the first P positions of each layer's K/V buffers
+(cached prefix) and offers each layer's freshly computed K/V to a *sink* (blocks to keep).
+PrefixKV is the plain in-memory form (a list of per-layer tensors), used for multi-item
+scoring's shared prompt and in tests; the prefix cache provides pool-backed ones.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+
+
+class PrefixSource(Protocol):
+    length: int
+
+    def load(self, layer: int, k_dst: torch.Tensor, v_dst: torch.Tensor) -> None:
+        """Write this layer's prefix K/V into k_dst, v_dst ([kv_heads, length, head_dim])."""
+
+
+class KVSink(Protocol):
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Take what it keeps of this layer's full K/V buffers ([kv_heads, P + S, head_dim])."""
 
 
 @dataclass
@@ -18,3 +37,31 @@ class PrefixKV:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def load(self, layer: int, k_dst: torch.Tensor, v_dst: torch.Tensor) -> None:
+        k_dst.copy_(self.keys[layer][:, : k_dst.shape[1]])
+        v_dst.copy_(self.values[layer][:, : v_dst.shape[1]])
+
+
+@dataclass
+class CaptureSink:
+    """Copies positions [start, end) of every layer into a PrefixKV."""
+
+    start: int
+    end: int
+    captured: PrefixKV = field(default_factory=lambda: PrefixKV([], []))
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.captured.keys.append(k[:, self.start : self.end].clone())
+        self.captured.values.append(v[:, self.start : self.end].clone())
+
+
+class Sinks:
+    """Several sinks behind one (e.g. the prefix cache's and a multi-item capture)."""
+
+    def __init__(self, *sinks):
+        self.sinks = [s for s in sinks if s is not None]
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        for s in self.sinks:
+            s.store(layer, k, v)

@@ -1,0 +1,188 @@
+"""PrefixIndex: which prefix blocks are cached where, with no tensors in it.
+
+The scheduler and the simulator use it without a model; PrefixCache pairs it with the K/V
+pools and executes the data moves it returns.
+
+Tiers: 1 = the primary pool (next to the compute), 2 = the optional second tier (host
+memory on CUDA). Invariants:
+  * a block is only in the index while its parent is (a prefix chain never has holes);
+  * pinned blocks (refs > 0, used by a running request) are never moved or dropped;
+  * tier 1 evicts LRU among unpinned blocks with no tier-1 child (leaves first): to tier 2
+    when there is one, else dropped (only with no child at all);
+  * tier 2 drops LRU among unpinned blocks with no child.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Block:
+    hash: bytes
+    parent: bytes | None
+    tier: int
+    slot: int
+    ready: bool = False  # False while its K/V is being computed: not matchable yet
+    refs: int = 0
+    children: int = 0  # cached children, any tier
+    tier1_children: int = 0
+
+
+@dataclass(frozen=True)
+class Move:
+    """Copy a block's K/V between tiers (executed by the cache on its pools)."""
+
+    src_tier: int
+    src_slot: int
+    dst_tier: int
+    dst_slot: int
+
+
+@dataclass
+class CacheStats:
+    lookups: int = 0
+    hit_tokens: int = 0
+    miss_tokens: int = 0
+    blocks_stored: int = 0
+    blocks_evicted: int = 0  # dropped from the cache altogether
+    blocks_offloaded: int = 0  # tier 1 -> tier 2
+    blocks_restored: int = 0  # tier 2 -> tier 1
+    overflow_blocks: int = 0  # wanted to keep, no room (discarded, never an error)
+
+
+class PrefixIndex:
+    def __init__(self, tier1_slots: int, tier2_slots: int = 0):
+        self.blocks: dict[bytes, Block] = {}
+        self.capacity = {1: tier1_slots, 2: tier2_slots}
+        self._free = {1: list(range(tier1_slots - 1, -1, -1)), 2: list(range(tier2_slots - 1, -1, -1))}
+        self._evictable: dict[int, OrderedDict[bytes, None]] = {1: OrderedDict(), 2: OrderedDict()}  # LRU order
+        self.stats = CacheStats()
+        self._tick = itertools.count()
+
+    # -- queries ------------------------------------------------------------------------
+    def match(self, hashes: list[bytes]) -> list[Block]:
+        """The cached (ready) blocks of the longest matching prefix, in order."""
+        out = []
+        for h in hashes:
+            b = self.blocks.get(h)
+            if b is None or not b.ready:
+                break
+            out.append(b)
+        return out
+
+    def used_slots(self, tier: int) -> int:
+        return self.capacity[tier] - len(self._free[tier])
+
+    # -- pinning --------------------------------------------------------------------------
+    def pin(self, blocks: list[Block]) -> None:
+        for b in blocks:
+            b.refs += 1
+            self._refresh(b)
+
+    def unpin(self, blocks: list[Block]) -> None:
+        for b in blocks:
+            b.refs -= 1
+            assert b.refs >= 0
+            self._refresh(b, touch=True)
+
+    # -- changes ----------------------------------------------------------------------------
+    def reserve(self, h: bytes, parent: bytes | None) -> tuple[Block | None, list[Move]]:
+        """A pinned, not-yet-ready tier-1 block for `h` (its K/V is about to be written), or
+        None when no slot can be freed. Returns the data moves the eviction needs first."""
+        moves: list[Move] = []
+        slot = self._take_slot(1, moves)
+        if slot is None:
+            return None, moves
+        b = Block(hash=h, parent=parent, tier=1, slot=slot, refs=1)
+        self.blocks[h] = b
+        if parent is not None:
+            p = self.blocks[parent]
+            p.children += 1
+            p.tier1_children += 1
+            self._refresh(p)
+        return b, moves
+
+    def mark_ready(self, blocks: list[Block]) -> None:
+        for b in blocks:
+            b.ready = True
+            self.stats.blocks_stored += 1
+
+    def discard(self, blocks: list[Block]) -> None:
+        """Forget reserved blocks whose K/V never got written (last first: children first)."""
+        for b in reversed(blocks):
+            self._remove(b)
+
+    def restore(self, b: Block) -> list[Move] | None:
+        """Bring a pinned tier-2 block back to tier 1. Returns the moves to execute in order
+        (evictions first, then the block's own copy), or None if tier 1 has no room."""
+        moves: list[Move] = []
+        slot = self._take_slot(1, moves)
+        if slot is None:
+            return None
+        moves.append(Move(2, b.slot, 1, slot))
+        self._free[2].append(b.slot)
+        self._set_tier(b, 1, slot)
+        self.stats.blocks_restored += 1
+        return moves
+
+    # -- internals -----------------------------------------------------------------------
+    def _take_slot(self, tier: int, moves: list[Move]) -> int | None:
+        if self._free[tier]:
+            return self._free[tier].pop()
+        victim = self._pick_victim(tier)
+        if victim is None:
+            return None
+        slot = victim.slot
+        if tier == 1 and self.capacity[2] and (dst := self._take_slot(2, moves)) is not None:
+            moves.append(Move(1, slot, 2, dst))
+            self._set_tier(victim, 2, dst)
+            self.stats.blocks_offloaded += 1
+        else:
+            if victim.children:  # cannot drop a block others extend (tier 2 full of pinned/parents)
+                return None
+            self._remove(victim, free_slot=False)
+            self.stats.blocks_evicted += 1
+        return slot
+
+    def _pick_victim(self, tier: int) -> Block | None:
+        for h in self._evictable[tier]:
+            b = self.blocks[h]
+            if tier == 1 and b.children and not self.capacity[2]:
+                continue  # no second tier: only childless blocks can go
+            return b
+        return None
+
+    def _remove(self, b: Block, free_slot: bool = True) -> None:
+        del self.blocks[b.hash]
+        for t in (1, 2):
+            self._evictable[t].pop(b.hash, None)
+        if free_slot:
+            self._free[b.tier].append(b.slot)
+        if b.parent is not None and b.parent in self.blocks:
+            p = self.blocks[b.parent]
+            p.children -= 1
+            if b.tier == 1:
+                p.tier1_children -= 1
+            self._refresh(p)
+
+    def _set_tier(self, b: Block, tier: int, slot: int) -> None:
+        if b.parent is not None and b.tier != tier:
+            p = self.blocks[b.parent]
+            p.tier1_children += 1 if tier == 1 else -1
+            self._refresh(p)
+        self._evictable[b.tier].pop(b.hash, None)
+        b.tier, b.slot = tier, slot
+        self._refresh(b)
+
+    def _refresh(self, b: Block, touch: bool = False) -> None:
+        """Keep b's place in its tier's LRU list of eviction candidates up to date."""
+        lru = self._evictable[b.tier]
+        evictable = b.ready and b.refs == 0 and (b.tier1_children == 0 if b.tier == 1 else b.children == 0)
+        if not evictable:
+            lru.pop(b.hash, None)
+        elif touch or b.hash not in lru:
+            lru.pop(b.hash, None)
+            lru[b.hash] = None  # most recently used at the end

@@ -1,0 +1,155 @@
+"""PrefixCache: keep the K/V of prompt prefixes worth keeping, never the rest (DESIGN.md §2).
+
+Per request:
+    ticket = cache.begin(ids, namespace, keep_len)   # match + pin cached blocks, reserve new ones
+    executor.forward(ids[ticket.cached_tokens:], prefix=ticket.source, sink=ticket.sink)
+    cache.commit(ticket)  (or cache.abort(ticket) if the forward failed)
+
+Only whole blocks inside the keep boundary (`keep_len`: by default the whole prompt, or the
+request's `cache_prefix_len`) are written to the pool; every other token's K/V lives only in
+the executor's per-layer buffers (suffix discard). Blocks that find no room are dropped
+(overflow is never an error). At least one token is always computed, so a fully cached prompt
+still yields logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .block_hash import block_hashes, namespace_root
+from .index import Block, CacheStats, Move, PrefixIndex
+from .kv_pool import KVPool
+
+
+@dataclass
+class CacheTicket:
+    cached_tokens: int  # P: prompt tokens whose K/V is loaded from the cache
+    matched: list[Block]  # pinned cached blocks covering [0, P) (last one maybe partly used)
+    new: list[Block]  # reserved blocks the forward will fill, right after the matched ones
+    source: object = None
+    sink: object = None
+    restored_blocks: int = 0
+    extra: list[Block] = field(default_factory=list)
+
+
+class _PoolSource:
+    def __init__(self, pool: KVPool, slots: torch.Tensor, length: int):
+        self.pool, self.slots, self.length = pool, slots, length
+
+    def load(self, layer: int, k_dst: torch.Tensor, v_dst: torch.Tensor) -> None:
+        self.pool.read(layer, self.slots, k_dst, v_dst)
+
+
+class _PoolSink:
+    """Writes positions [start, start + n_blocks * B) of each layer into the reserved slots."""
+
+    def __init__(self, pool: KVPool, slots: torch.Tensor, start: int):
+        self.pool, self.slots, self.start = pool, slots, start
+        self.end = start + slots.shape[0] * pool.block_size
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.pool.write(layer, self.slots, k[:, self.start : self.end], v[:, self.start : self.end])
+
+
+class PrefixCache:
+    def __init__(self, spec, dtype: torch.dtype, device: torch.device, block_size: int, budget_bytes: int,
+                 second_tier_bytes: int = 0, model_id: str = ""):
+        self.block_size = block_size
+        self.model_id = model_id
+        self.block_bytes = KVPool.bytes_per_block(spec.num_layers, spec.num_kv_heads, block_size, spec.head_dim, dtype)
+        tier1 = budget_bytes // self.block_bytes
+        tier2 = second_tier_bytes // self.block_bytes
+        dims = (spec.num_layers, spec.num_kv_heads, block_size, spec.head_dim)
+        make = lambda slots, dev, pin: KVPool(dims[0], slots, dims[1], dims[2], dims[3], dtype, dev, pin)  # noqa: E731
+        self.pools = {1: make(tier1, device, False)}
+        if tier2:
+            # on CUDA the second tier is pinned host memory (async copies); on CPU another pool
+            self.pools[2] = make(tier2, torch.device("cpu"), device.type == "cuda")
+        self.index = PrefixIndex(tier1, tier2)
+        self.device = device
+
+    @property
+    def stats(self) -> CacheStats:
+        return self.index.stats
+
+    def bytes_in_use(self) -> dict[int, int]:
+        return {t: self.index.used_slots(t) * self.block_bytes for t in self.pools}
+
+    def capacity_bytes(self) -> dict[int, int]:
+        return {t: self.index.capacity[t] * self.block_bytes for t in self.pools}
+
+    def hashes(self, ids, namespace: str | None, max_tokens: int | None = None) -> list[bytes]:
+        n = len(ids) if max_tokens is None else min(len(ids), max_tokens)
+        return block_hashes(ids, self.block_size, namespace_root(self.model_id, namespace), max_blocks=n // self.block_size)
+
+    def cached_tokens(self, ids, namespace: str | None = None) -> int:
+        """How many leading tokens of `ids` are cached right now (for the scheduler); no pinning."""
+        matched = self.index.match(self.hashes(ids, namespace))
+        return min(len(matched) * self.block_size, max(0, len(ids) - 1))
+
+    def begin(self, ids, namespace: str | None, keep_len: int) -> CacheTicket:
+        """Match and pin the cached prefix, reserve slots for the new blocks to keep."""
+        b = self.block_size
+        stats = self.index.stats
+        hashes = self.hashes(ids, namespace)
+        matched = self.index.match(hashes)
+        self.index.pin(matched)
+        restored = self._restore_to_tier1(matched)
+        if restored is None:  # tier 1 too small to hold the matched chain: use what is in tier 1
+            first_off = next((i for i, blk in enumerate(matched) if blk.tier != 1), len(matched))
+            self.index.unpin(matched[first_off:])
+            matched = matched[:first_off]
+            restored = 0
+        cached = min(len(matched) * b, len(ids) - 1)
+        new: list[Block] = []
+        if cached == len(matched) * b:  # else everything is cached already
+            parent = matched[-1].hash if matched else None
+            for h in hashes[len(matched) : keep_len // b]:
+                blk, moves = self.index.reserve(h, parent)
+                self._execute(moves)
+                if blk is None:
+                    stats.overflow_blocks += len(hashes[len(matched) : keep_len // b]) - len(new)
+                    break
+                new.append(blk)
+                parent = h
+        stats.lookups += 1
+        stats.hit_tokens += cached
+        stats.miss_tokens += len(ids) - cached
+        ticket = CacheTicket(cached_tokens=cached, matched=matched, new=new, restored_blocks=restored)
+        if cached:
+            ticket.source = _PoolSource(self.pools[1], self._slots(matched), cached)
+        if new:
+            ticket.sink = _PoolSink(self.pools[1], self._slots(new), len(matched) * b)
+        return ticket
+
+    def commit(self, ticket: CacheTicket) -> None:
+        self.index.mark_ready(ticket.new)
+        self.index.unpin(ticket.matched + ticket.new)
+
+    def abort(self, ticket: CacheTicket) -> None:
+        self.index.unpin(ticket.matched)
+        self.index.discard(ticket.new)
+
+    # -- internals -----------------------------------------------------------------------
+    def _slots(self, blocks: list[Block]) -> torch.Tensor:
+        return torch.tensor([blk.slot for blk in blocks], dtype=torch.long, device=self.device)
+
+    def _restore_to_tier1(self, matched: list[Block]) -> int | None:
+        count = 0
+        for blk in matched:
+            if blk.tier == 1:
+                continue
+            moves = self.index.restore(blk)
+            if moves is None:
+                return None
+            self._execute(moves)
+            count += 1
+        return count
+
+    def _execute(self, moves: list[Move]) -> None:
+        for m in moves:
+            self.pools[m.src_tier].copy_slot(m.src_slot, self.pools[m.dst_tier], m.dst_slot)
+        if moves and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()

@@ -1,0 +1,244 @@
+"""Prefix KV cache: hash chain, index (pinning, LRU, tiers, overflow), engine results with and
+without hits, explicit cache boundary, namespaces, multi-item scoring, bad input."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from prefillonly import Engine, EngineConfig, InvalidRequestError
+from prefillonly.cache.block_hash import block_hashes, namespace_root
+from prefillonly.cache.index import PrefixIndex
+from prefillonly.cache.kv_pool import KVPool
+
+B = 8  # small blocks so that short prompts span several
+
+
+# -- hash chain -----------------------------------------------------------------------------
+def test_hash_chain_shares_equal_prefixes_and_changes_after_a_difference():
+    root = namespace_root("m", None)
+    a = list(range(100, 140))  # 5 blocks
+    b = a[:20] + [7] + a[21:]  # differs in block 2 (positions 16..23)
+    ha, hb = block_hashes(a, B, root), block_hashes(b, B, root)
+    assert len(ha) == 5 and ha[:2] == hb[:2]
+    assert all(x != y for x, y in zip(ha[2:], hb[2:]))
+    assert block_hashes(a + [1, 2, 3], B, root) == ha  # a partial block has no hash
+    assert block_hashes(a, B, namespace_root("other-model", None))[0] != ha[0]
+    assert block_hashes(a, B, namespace_root("m", "tenant-a"))[0] != ha[0]
+
+
+# -- index ------------------------------------------------------------------------------------
+def chain(index: PrefixIndex, names: list[str], parent=None):
+    blocks = []
+    for n in names:
+        blk, moves = index.reserve(n.encode(), parent)
+        assert blk is not None and moves == []
+        blocks.append(blk)
+        parent = n.encode()
+    index.mark_ready(blocks)
+    index.unpin(blocks)
+    return blocks
+
+
+def test_lru_leaf_first_eviction_and_pinning():
+    idx = PrefixIndex(tier1_slots=4)
+    chain(idx, ["a1", "a2"])
+    chain(idx, ["b1", "b2"])
+    assert idx.used_slots(1) == 4
+    idx.pin(idx.match([b"a1", b"a2"]))  # a is in use: never evicted
+    blk, _ = idx.reserve(b"c1", None)  # must evict b's leaf first (b2), never b1 before b2
+    assert blk is not None and b"b2" not in idx.blocks and b"b1" in idx.blocks
+    idx.mark_ready([blk]); idx.unpin([blk])
+    blk, _ = idx.reserve(b"d1", None)  # next LRU leaf: b1 (older than c1)
+    assert b"b1" not in idx.blocks and blk is not None
+    idx.mark_ready([blk]); idx.unpin([blk])
+    assert idx.used_slots(1) <= 4 and {b"a1", b"a2"} <= set(idx.blocks)
+    # everything else pinned or parent of a pinned block: no room is an answer, not an error
+    idx.pin(idx.match([b"c1"])); idx.pin(idx.match([b"d1"]))
+    blk, moves = idx.reserve(b"e1", None)
+    assert blk is None and moves == []
+    assert idx.stats.blocks_evicted == 2
+
+
+def test_second_tier_offload_and_restore_moves():
+    idx = PrefixIndex(tier1_slots=2, tier2_slots=2)
+    chain(idx, ["a1", "a2"])
+    blk, moves = idx.reserve(b"b1", None)  # a2 (leaf) offloaded to tier 2
+    assert blk is not None and [(m.src_tier, m.dst_tier) for m in moves] == [(1, 2)]
+    assert idx.blocks[b"a2"].tier == 2 and idx.stats.blocks_offloaded == 1
+    idx.mark_ready([blk]); idx.unpin([blk])
+    matched = idx.match([b"a1", b"a2"])
+    assert len(matched) == 2  # still a hit, from the second tier
+    idx.pin(matched)
+    moves = idx.restore(matched[1])  # makes room (b1 -> tier 2) then copies a2 back
+    assert [(m.src_tier, m.dst_tier) for m in moves] == [(1, 2), (2, 1)]
+    assert moves[0].src_slot == moves[1].dst_slot  # b1's slot is reused after b1 was copied out
+    assert idx.blocks[b"a2"].tier == 1 and idx.stats.blocks_restored == 1
+
+
+def test_pool_roundtrip_is_bit_exact_across_tiers():
+    g = torch.Generator().manual_seed(0)
+    p1 = KVPool(2, 3, 2, B, 4, torch.bfloat16, torch.device("cpu"))
+    p2 = KVPool(2, 3, 2, B, 4, torch.bfloat16, torch.device("cpu"))
+    k = torch.randn(2, 2 * B, 4, generator=g).bfloat16()
+    v = torch.randn(2, 2 * B, 4, generator=g).bfloat16()
+    slots = torch.tensor([2, 0])
+    for layer in range(2):
+        p1.write(layer, slots, k + layer, v - layer)
+    p1.copy_slot(2, p2, 1); p1.copy_slot(0, p2, 2)
+    p2.copy_slot(1, p1, 1); p2.copy_slot(2, p1, 2)  # back into different slots
+    for layer in range(2):
+        kd, vd = torch.empty(2, 2 * B - 3, 4).bfloat16(), torch.empty(2, 2 * B - 3, 4).bfloat16()
+        p1.read(layer, torch.tensor([1, 2]), kd, vd)
+        assert torch.equal(kd, (k + layer)[:, : 2 * B - 3]) and torch.equal(vd, (v - layer)[:, : 2 * B - 3])
+
+
+# -- engine -----------------------------------------------------------------------------------
+def make_engine(folder, **kw):
+    kw.setdefault("cache_budget_bytes", 1 << 20)
+    return Engine(EngineConfig(model=folder, dtype="float32", threads=2, cache_block_size=B, chunk_size=16, **kw))
+
+
+@pytest.fixture(scope="module")
+def folder(family_folders):
+    return family_folders["llama_gqa_llama3rope_untied"]
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    with make_engine(folder, cache_budget_bytes=0) as e:
+        assert e.cache is None
+        yield e
+
+
+def rand_ids(n, seed):
+    r = random.Random(seed)
+    return [r.randrange(0, 300) for _ in range(n)]
+
+
+ALLOWED = [5, 17, 250]
+
+
+def lp(result):
+    return torch.tensor([t.logprob for t in result.tokens], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("shared_len", [B * 3, B * 3 + 5, 1, 7])  # block-aligned and not
+def test_hits_give_the_same_logprobs(folder, reference, shared_len):
+    with make_engine(folder) as e:
+        profile = rand_ids(shared_len, seed=shared_len)
+        for i in range(3):
+            ids = profile + rand_ids(11 + i, seed=100 + i)
+            want = lp(reference.score(ids, ALLOWED))
+            got = e.score(ids, ALLOWED)
+            assert (lp(got) - want).abs().max() <= 1e-4
+            assert got.cached_tokens == (0 if i == 0 else (shared_len // B) * B)
+
+
+def test_fully_cached_prompt_still_computes_its_last_token(folder, reference):
+    with make_engine(folder) as e:
+        ids = rand_ids(4 * B, seed=3)
+        first = e.score(ids, ALLOWED)
+        before = e.executor.tokens_computed
+        again = e.score(ids, ALLOWED)
+        assert again.cached_tokens == 4 * B - 1 and e.executor.tokens_computed - before == 1
+        assert (lp(again) - lp(first)).abs().max() <= 1e-4
+        assert (lp(again) - lp(reference.score(ids, ALLOWED))).abs().max() <= 1e-4
+
+
+def test_cache_prefix_len_stops_caching_at_the_boundary(folder):
+    with make_engine(folder) as e:
+        profile = rand_ids(2 * B + 3, seed=4)
+        e.score(profile + rand_ids(20, seed=5), ALLOWED, cache_prefix_len=len(profile))
+        assert e.cache.index.stats.blocks_stored == 2  # the profile's full blocks, not the post
+        r = e.score(profile + rand_ids(20, seed=6), ALLOWED, cache_prefix_len=len(profile))
+        assert r.cached_tokens == 2 * B
+        assert e.score(rand_ids(40, seed=7), ALLOWED, cache_prefix_len=0).cached_tokens == 0
+        assert e.cache.index.stats.blocks_stored == 2  # boundary 0: nothing new kept
+
+
+def test_budget_is_never_exceeded_and_overflow_is_not_an_error(folder, reference):
+    spec = reference.spec
+    block_bytes = KVPool.bytes_per_block(spec.num_layers, spec.num_kv_heads, B, spec.head_dim, torch.float32)
+    with make_engine(folder, cache_budget_bytes=3 * block_bytes + 100) as e:
+        assert e.cache.index.capacity[1] == 3
+        for i in range(6):
+            ids = rand_ids(5 * B, seed=50 + i)  # each prompt wants 5 blocks
+            r = e.score(ids, ALLOWED)
+            assert (lp(r) - lp(reference.score(ids, ALLOWED))).abs().max() <= 1e-4
+            assert e.cache.bytes_in_use()[1] <= 3 * block_bytes
+        assert e.cache.stats.overflow_blocks > 0
+
+
+def test_namespaces_never_share_blocks(folder):
+    with make_engine(folder) as e:
+        ids = rand_ids(3 * B, seed=8) + [1, 2, 3]
+        e.score(ids, ALLOWED, cache_namespace="tenant-a")
+        assert e.score(ids, ALLOWED, cache_namespace="tenant-b").cached_tokens == 0
+        assert e.score(ids, ALLOWED).cached_tokens == 0
+        assert e.score(ids, ALLOWED, cache_namespace="tenant-a").cached_tokens == 3 * B
+
+
+def test_second_tier_serves_hits_after_eviction(folder, reference):
+    spec = reference.spec
+    block_bytes = KVPool.bytes_per_block(spec.num_layers, spec.num_kv_heads, B, spec.head_dim, torch.float32)
+    with make_engine(folder, cache_budget_bytes=4 * block_bytes, cache_second_tier_bytes=8 * block_bytes) as e:
+        a, b = rand_ids(4 * B + 2, seed=9), rand_ids(4 * B + 2, seed=10)
+        e.score(a, ALLOWED)
+        e.score(b, ALLOWED)  # pushes a's blocks to the second tier
+        assert e.cache.stats.blocks_offloaded >= 4
+        r = e.score(a, ALLOWED)
+        assert r.cached_tokens == 4 * B and e.cache.stats.blocks_restored >= 4
+        assert (lp(r) - lp(reference.score(a, ALLOWED))).abs().max() <= 1e-4
+
+
+def test_multi_item_equals_separate_requests_and_computes_the_shared_part_once(folder, reference):
+    with make_engine(folder, cache_budget_bytes=0) as e:
+        shared = rand_ids(2 * B + 5, seed=11)
+        items = [rand_ids(n, seed=20 + n) for n in (3, 9, 1, 14)]
+        before = e.executor.tokens_computed
+        results = e.score_items(shared, items, ALLOWED)
+        assert e.executor.tokens_computed - before == len(shared) + sum(map(len, items))
+        for item, r in zip(items, results):
+            assert r.prompt_tokens == len(shared) + len(item)
+            assert (lp(r) - lp(reference.score(shared + item, ALLOWED))).abs().max() <= 1e-4
+
+
+def test_multi_item_text_with_template(default_engine):
+    shared = "User likes: hiking, mountains, photography."
+    posts = ["Ten alpine trails", "Stock market news today"]
+    results = default_engine.score_items(shared, posts, [" Yes", " No"], item_template="\nPost: {item}\nWould the user click? Answer:")
+    tok = default_engine.encoder.tokenizer
+    for post, r in zip(posts, results):
+        ids = tok.encode(shared) + tok.encode(f"\nPost: {post}\nWould the user click? Answer:", add_special_tokens=False)
+        single = default_engine.score(ids, [" Yes", " No"])
+        assert abs(single.tokens[0].logprob - r.tokens[0].logprob) < 1e-4
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(cache_prefix_len=-1), "cache_prefix_len -1 must be between 0 and the prompt length 20"),
+    (dict(cache_prefix_len=21), "cache_prefix_len 21 must be between 0"),
+    (dict(cache_prefix_len=2.5), "must be an integer"),
+    (dict(cache_namespace=5), "cache_namespace must be a string"),
+])
+def test_bad_cache_arguments(folder, kwargs, match):
+    with make_engine(folder) as e:
+        with pytest.raises(InvalidRequestError, match=match):
+            e.score(rand_ids(20, seed=1), ALLOWED, **kwargs)
+        assert e.score(rand_ids(20, seed=1), ALLOWED).prompt_tokens == 20
+
+
+@pytest.mark.parametrize("items,match", [
+    ([], "items is empty"),
+    ("abc", "items must be a list"),
+    ([[1, 2]] * 5, "5 items is over the limit of 4"),
+    ([[1, 2], []], "item 1 is empty"),
+    ([[1, 999]], "item 0 token id 999 is outside the vocabulary"),
+])
+def test_bad_items(folder, items, match):
+    with make_engine(folder, max_items=4) as e:
+        with pytest.raises(InvalidRequestError, match=match):
+            e.score_items(rand_ids(10, seed=2), items, ALLOWED)
+        assert len(e.score_items(rand_ids(10, seed=2), [[1], [2]], ALLOWED)) == 2
