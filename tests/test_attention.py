@@ -37,7 +37,18 @@ def test_suffix_queries_over_long_keys_use_several_blocks(monkeypatch):
     monkeypatch.setattr(attn_mod, "_MASK_ELEMENTS", 64 * 300)  # forces blocks of 64 queries
     g = torch.Generator().manual_seed(1)
     q, k, v = torch.randn(4, 201, 8, generator=g), torch.randn(2, 300, 8, generator=g), torch.randn(2, 300, 8, generator=g)
-    assert (causal_attention(q, k, v, 0.3).double() - reference(q, k, v, 0.3)).abs().max() < 1e-5
+    assert (attn_mod._suffix_attention_masked(q, k, v, 0.3).double() - reference(q, k, v, 0.3)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 0.05)])
+def test_merged_and_masked_suffix_paths_agree(dtype, tol):
+    """The CPU fast path (two flash calls merged by log-sum-exp) and the masked fallback."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(6, 45, 32, generator=g), torch.randn(3, 130, 32, generator=g), torch.randn(3, 130, 32, generator=g)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    want = reference(q.float(), k.float(), v.float(), 0.2)
+    for path in (attn_mod._suffix_attention_merged, attn_mod._suffix_attention_masked):
+        assert (path(q, k, v, 0.2).double() - want).abs().max() < tol
 
 
 def test_bf16_close_to_reference():

@@ -242,3 +242,14 @@ def test_bad_items(folder, items, match):
         with pytest.raises(InvalidRequestError, match=match):
             e.score_items(rand_ids(10, seed=2), items, ALLOWED)
         assert len(e.score_items(rand_ids(10, seed=2), [[1], [2]], ALLOWED)) == 2
+
+
+def test_default_model_hits_equal_misses_fp32(default_engine):
+    """The real SmolLM2 (fp32): a cache hit gives the same logprobs as the cold computation."""
+    profile = "User profile: " + "enjoys long hikes in the Alps, film photography, and mountain villages; " * 8
+    for i, post in enumerate(["Post: ten alpine trails. Click? Answer:", "Post: a new camera review. Click? Answer:"]):
+        ns = f"default-model-test-{i}"  # a fresh namespace: the first request is a guaranteed miss
+        cold = default_engine.score(profile + post, [" Yes", " No"], cache_namespace=ns)
+        warm = default_engine.score(profile + post, [" Yes", " No"], cache_namespace=ns)
+        assert cold.cached_tokens == 0 and warm.cached_tokens > 64
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(cold.tokens, warm.tokens)) <= 1e-4

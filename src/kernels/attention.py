@@ -53,7 +53,39 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     if lq == lk:
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=gqa)
         return out[0]
-    # queries are a suffix of the keys: run query blocks, each over the keys it can see
+    if q.device.type == "cpu" and _CPU_FLASH_WITH_LSE is not None:
+        return _suffix_attention_merged(q, k, v, scale)
+    return _suffix_attention_masked(q, k, v, scale)
+
+
+# torch's CPU flash-attention op, which also returns each row's log-sum-exp (and takes GQA).
+_CPU_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _suffix_attention_merged(q, k, v, scale):
+    """Queries = the last Lq of Lk positions, on CPU: two fast unmasked/causal flash calls
+    merged by their log-sum-exp, instead of the masked path (about 2x slower per FLOP).
+
+    part 1: every query sees all P = Lk - Lq prefix keys (no mask);
+    part 2: the new keys, a square causal block (top-left == bottom-right when square).
+    """
+    p = k.shape[1] - q.shape[1]
+    o_new, lse_new = _CPU_FLASH_WITH_LSE(q[None], k[None, :, p:], v[None, :, p:], 0.0, True, scale=scale)
+    o_pre, lse_pre = _CPU_FLASH_WITH_LSE(q[None], k[None, :, :p], v[None, :, :p], 0.0, False, scale=scale)
+    m = torch.maximum(lse_pre, lse_new)
+    w_pre, w_new = (lse_pre - m).exp_(), (lse_new - m).exp_()
+    total = w_pre + w_new
+    out = o_pre[0].float().mul_((w_pre / total)[0, :, :, None])
+    out.addcmul_(o_new[0].float(), (w_new / total)[0, :, :, None])
+    return out.to(q.dtype)
+
+
+def _suffix_attention_masked(q, k, v, scale):
+    """Queries = the last Lq of Lk positions: query blocks, each over the keys it can see,
+    with a bottom-right causal mask of at most _MASK_ELEMENTS elements."""
+    hq, lq, _ = q.shape
+    lk = k.shape[1]
+    gqa = hq != k.shape[0]
     offset = lk - lq
     out = torch.empty_like(q)
     block = max(1, min(lq, _MASK_ELEMENTS // lk))
