@@ -298,7 +298,7 @@ def render_speed(part: dict, spec_info: dict) -> str:
     lines = [
         f"Command: `{part['command']}`  \nDate: {part['date']}  \nMachine: {bu.machine_line(part['machine'])}",
         "",
-        "**Matmul rate** (torch, GFLOP/s; best timing window, best of the `x @ W` and `x @ W.T` layouts):",
+        "**Matmul rate** (torch, GFLOP/s; median of 5 timing windows, best of the `x @ W` and `x @ W.T` layouts). This host bursts: the same shape measured 0.65-0.9 TFLOP/s at some times and 2.0-2.4 at others within the hour, so compare only numbers from one run:",
         "",
         bu.markdown_table(["shape", "fp32", "bf16"], [[r["shape"], f"{r['float32'] / 1e9:.0f}", f"{r['bfloat16'] / 1e9:.0f}"] for r in matmul["rows"]]),
         "",

@@ -120,7 +120,6 @@ def render(data: dict) -> str:
         if gap is not None:
             checks.append(f"- max |logprob difference| {ours_cache['system']} vs vLLM (both bf16; vLLM rounds logits to bf16): {gap:.3f}")
     return "\n".join([
-        SECTION, "",
         f"Command: `{data['command']}`  ", f"Date: {data['date']}  ", f"Machine: {bu.machine_line(data['machine'])}  ",
         f"Trace: {data['trace_summary']}", "",
         "Offline: all requests at once, wall time to the last answer; bf16; our cache holds exactly the profiles' "
@@ -160,7 +159,7 @@ def main(argv: list[str]) -> int:
     bu.save_json(out_root / "results" / "prefix.json", data)
     bu.replace_section(out_root / "RESULTS.md", SECTION, render(data))
     bu.log(f"wrote {out_root / 'RESULTS.md'}")
-    print(render(data))
+    print(SECTION + "\n\n" + render(data))
     return 0
 
 
