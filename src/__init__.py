@@ -7,7 +7,10 @@ from .config import EngineConfig
 from .engine import Engine
 from .errors import (
     ConfigError,
+    DeadlineExceededError,
+    EngineClosedError,
     InvalidRequestError,
+    OverloadedError,
     OverBudgetError,
     PrefillOnlyError,
     PromptTooLongError,
@@ -26,4 +29,7 @@ __all__ = [
     "InvalidRequestError",
     "PromptTooLongError",
     "OverBudgetError",
+    "OverloadedError",
+    "DeadlineExceededError",
+    "EngineClosedError",
 ]

@@ -37,6 +37,9 @@ class EngineConfig:
     cache_block_size: int = 64  # tokens per cached block (the unit of prefix reuse)
     cache_second_tier_bytes: int = 0  # blocks evicted from the pool go here (host memory); 0 = off
     max_items: int = 256  # most items one multi-item request may carry
+    scheduling_policy: str = "csjf"  # fcfs | sjf | csjf (continuous JCT-calibrated shortest job first)
+    lambda_tokens_per_s: float = 500.0  # csjf starvation guard: tokens of credit per second waited
+    max_waiting: int = 1024  # waiting requests beyond this are refused at once ("overloaded")
     cache_dir: str = field(default_factory=default_cache_dir)  # converted default model
 
     def __post_init__(self) -> None:
@@ -58,6 +61,18 @@ class EngineConfig:
         self.cache_block_size = _optional_int("cache_block_size", self.cache_block_size, minimum=1)
         self.cache_second_tier_bytes = _optional_int("cache_second_tier_bytes", self.cache_second_tier_bytes, minimum=0) or 0
         self.max_items = _optional_int("max_items", self.max_items, minimum=1)
+        self.max_waiting = _optional_int("max_waiting", self.max_waiting, minimum=1)
+        from .scheduler.policy import POLICIES
+
+        self.scheduling_policy = str(self.scheduling_policy).lower()
+        if self.scheduling_policy not in POLICIES:
+            raise ConfigError(f"scheduling_policy {self.scheduling_policy!r} unknown; choose one of {', '.join(POLICIES)}")
+        try:
+            self.lambda_tokens_per_s = float(self.lambda_tokens_per_s)
+        except (TypeError, ValueError):
+            raise ConfigError(f"lambda_tokens_per_s must be a number, got {self.lambda_tokens_per_s!r}") from None
+        if not self.lambda_tokens_per_s >= 0:
+            raise ConfigError(f"lambda_tokens_per_s must be >= 0, got {self.lambda_tokens_per_s}")
         if self.attention_backend not in BACKENDS:
             raise ConfigError(f"attention_backend {self.attention_backend!r} unknown; choose one of {', '.join(BACKENDS)}")
         if self.model is not None and not os.path.isdir(str(self.model)):

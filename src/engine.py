@@ -4,10 +4,12 @@
         r = engine.score("Is the sky blue? Answer:", [" Yes", " No"])
         r.chosen.text, r.chosen.prob
 
-Request path: validate + tokenize (prompts.py) -> prefix cache: match/pin cached blocks,
-reserve blocks to keep (cache/) -> admission (length, memory budget) ->
+Request path: submit() validates + tokenizes in the caller's thread (prompts.py) and puts
+the request in the waiting set -> the worker thread asks the scheduler for the next request
+(scheduler/: FCFS | SJF | CSJF, against the prefix cache's current state) -> prefix cache:
+match/pin cached blocks, reserve blocks to keep (cache/) -> admission (memory budget) ->
 HybridPrefillExecutor.forward over the uncached tokens (executor.py) -> commit the new blocks
--> ScoreResult (scoring.py).
+-> ScoreResult (scoring.py) -> the request's Future.
 """
 
 from __future__ import annotations
@@ -17,7 +19,11 @@ import numbers
 import os
 import threading
 import time
+from collections import Counter
+from concurrent.futures import Future
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -25,13 +31,22 @@ from .cache import PrefixCache
 from .cache.prefix_kv import PrefixKV
 from .config import EngineConfig
 from .default_model import ensure_default_model
-from .errors import ConfigError, InvalidRequestError, OverBudgetError, PromptTooLongError
+from .errors import (
+    ConfigError,
+    DeadlineExceededError,
+    EngineClosedError,
+    InvalidRequestError,
+    OverBudgetError,
+    PrefillOnlyError,
+    PromptTooLongError,
+)
 from .executor import HybridPrefillExecutor
 from .kernels.attention import resolve_backend
 from .memory import PeakMemoryMeter, available_memory_bytes, predict_peak_bytes
 from .model_spec import ModelSpec
 from .prompts import PromptEncoder
 from .result import ScoreResult
+from .scheduler import JctEstimator, Scheduler, WaitingRequest
 from .scoring import build_result
 from .weights import ModelWeights
 
@@ -71,51 +86,56 @@ class Engine:
         self.activation_budget_bytes = config.activation_budget_bytes or int(_DEFAULT_BUDGET_FRACTION * max(0, free - cache_bytes))
         self.cache = self._make_cache(cache_bytes)
         self._meter = PeakMemoryMeter(self.device)
-        self._lock = threading.Lock()  # one forward at a time: prefill is compute-bound
-        self._closed = False
         self.executor.forward(torch.zeros(8, dtype=torch.long), config.chunk_size)  # warm-up
+        self.jct = JctEstimator(fallback_s_per_token=self._time_per_token())
+        self.scheduler = Scheduler(config.scheduling_policy, self.jct, self._scheduler_cached_tokens,
+                                   max_waiting=config.max_waiting, lambda_tokens_per_s=config.lambda_tokens_per_s)
+        self.counters: Counter = Counter()  # completed, failed, rejected:<code>, cancelled
+        self._cv = threading.Condition()  # guards the scheduler and _closed
+        self._closed = False
+        # one worker runs one request at a time (prefill is compute-bound); daemon: it never
+        # keeps the process alive, and close() fails whatever still waits
+        self._worker = threading.Thread(target=self._serve, name="prefillonly-engine", daemon=True)
+        self._worker.start()
         log.info(
             "engine ready: %s (%s, %d layers) %s on %s, chunk %s, attention %s, max input %d, "
-            "prefix cache %.1f MiB in blocks of %d (+%.1f MiB second tier), activation budget %.1f MiB, %.1f s",
+            "prefix cache %.1f MiB in blocks of %d (+%.1f MiB second tier), activation budget %.1f MiB, "
+            "scheduling %s, %.1f s",
             self.model_path, self.spec.architecture, self.spec.num_layers, config.dtype, self.device,
             config.chunk_size or "none", backend, self.max_input_len,
             cache_bytes / 2**20, config.cache_block_size, config.cache_second_tier_bytes / 2**20,
-            self.activation_budget_bytes / 2**20, time.perf_counter() - t0,
+            self.activation_budget_bytes / 2**20, config.scheduling_policy, time.perf_counter() - t0,
         )
 
     # -- public API -------------------------------------------------------------------
-    def score(self, prompt, allowed_tokens, *, top_k: int = 0, apply_chat_template: bool = False,
-              cache_prefix_len: int | None = None, cache_namespace: str | None = None) -> ScoreResult:
-        """Probability of each allowed token at the position after `prompt` (one forward pass).
+    def submit(self, prompt, allowed_tokens, *, top_k: int = 0, apply_chat_template: bool = False,
+               cache_prefix_len: int | None = None, cache_namespace: str | None = None, user: str | None = None,
+               priority: int = 0, deadline_s: float | None = None) -> "Future[ScoreResult]":
+        """Queue one request; the Future gets its ScoreResult (or its error).
 
         prompt: text, UTF-8 bytes, or a sequence of token ids. allowed_tokens: strings (each
         exactly one token, e.g. " Yes") and/or token ids. top_k: also return the k most likely
         tokens of the full vocabulary. cache_prefix_len: keep at most this many leading tokens
         in the prefix cache (e.g. the shared user profile); default the whole prompt.
-        cache_namespace: cache hits never cross namespaces (tenant / user isolation).
+        cache_namespace: cache hits never cross namespaces (tenant isolation); `user` is the
+        namespace when none is given. priority: higher runs first. deadline_s: seconds from now
+        after which the request fails with DeadlineExceededError instead of starting.
+        Bad input raises here, in the caller's thread; the Future never sees it.
         """
-        self._check_open()
         allowed_ids = self.encoder.resolve_allowed(allowed_tokens)
         top_k = self._check_top_k(top_k)
         ids = self.encoder.encode_prompt(prompt, apply_chat_template=apply_chat_template)
         keep = self._check_cache_prefix_len(cache_prefix_len, len(ids))
-        namespace = _check_namespace(cache_namespace)
+        namespace = _check_namespace(cache_namespace, user)
         self._check_length(len(ids))
-        with self._lock, self._cached_prefix(ids, namespace, keep) as ticket:
-            p = ticket.cached_tokens if ticket else 0
-            self._check_budget(len(ids) - p, p)
-            self._meter.start()
-            out = self.executor.forward(
-                torch.tensor(ids[p:], dtype=torch.long), self.config.chunk_size,
-                prefix=ticket.source if ticket else None, sink=ticket.sink if ticket else None,
-            )
-            peak = self._meter.peak_growth()
-        return build_result(out.logits, allowed_ids, top_k, self.encoder.token_text, len(ids), p, peak)
+        run = lambda: self._run_single(ids, allowed_ids, top_k, keep, namespace)  # noqa: E731
+        return self._enqueue(ids, namespace, run, priority, deadline_s, user)
 
-    def score_items(self, prompt, items, allowed_tokens, *, item_template: str | None = None, top_k: int = 0,
-                    apply_chat_template: bool = False, cache_prefix_len: int | None = None,
-                    cache_namespace: str | None = None) -> list[ScoreResult]:
-        """Score N items that share one prompt (e.g. a user profile and candidate posts).
+    def submit_items(self, prompt, items, allowed_tokens, *, item_template: str | None = None, top_k: int = 0,
+                     apply_chat_template: bool = False, cache_prefix_len: int | None = None,
+                     cache_namespace: str | None = None, user: str | None = None, priority: int = 0,
+                     deadline_s: float | None = None) -> "Future[list[ScoreResult]]":
+        """Queue N items that share one prompt (e.g. a user profile and candidate posts).
 
         The shared prompt is computed once per request (its K/V held for the request, whatever
         the cache budget) and each item is scored as a suffix over it: result i is the
@@ -124,20 +144,149 @@ class Engine:
         or token ids. The shared prompt goes through the prefix cache like a plain request
         (cache_prefix_len defaults to the whole shared prompt).
         """
-        self._check_open()
         allowed_ids = self.encoder.resolve_allowed(allowed_tokens)
         top_k = self._check_top_k(top_k)
         shared = self.encoder.encode_prompt(prompt, apply_chat_template=apply_chat_template)
         item_ids = self._encode_items(items, item_template)
         keep = self._check_cache_prefix_len(cache_prefix_len, len(shared))
-        namespace = _check_namespace(cache_namespace)
+        namespace = _check_namespace(cache_namespace, user)
         self._check_length(len(shared) + max(len(x) for x in item_ids))
-        results = []
-        with self._lock, self._cached_prefix(shared, namespace, keep) as ticket:
+        run = lambda: self._run_items(shared, item_ids, allowed_ids, top_k, keep, namespace)  # noqa: E731
+        return self._enqueue(shared, namespace, run, priority, deadline_s, user, extra_tokens=sum(map(len, item_ids)))
+
+    def score(self, prompt, allowed_tokens, **kwargs) -> ScoreResult:
+        """submit(...).result(): the probabilities of the allowed tokens after `prompt`."""
+        return self.submit(prompt, allowed_tokens, **kwargs).result()
+
+    def score_items(self, prompt, items, allowed_tokens, **kwargs) -> list[ScoreResult]:
+        """submit_items(...).result(): one ScoreResult per item, in item order."""
+        return self.submit_items(prompt, items, allowed_tokens, **kwargs).result()
+
+    def stats(self) -> dict:
+        """Counters for metrics: requests by outcome, waiting, JCT error, prefix cache."""
+        with self._cv:
+            waiting = len(self.scheduler)
+        out = {"waiting": waiting, **self.counters, "jct_mean_abs_rel_error": self.jct.mean_abs_relative_error(),
+               "tokens_computed": self.executor.tokens_computed}
+        if self.cache is not None:
+            out["cache"] = vars(self.cache.stats).copy()
+            out["cache_bytes_in_use"] = self.cache.bytes_in_use()
+        return out
+
+    def predict_peak_bytes(self, new_tokens: int, prefix_tokens: int = 0) -> int:
+        """Predicted peak extra memory of computing `new_tokens` after `prefix_tokens` cached ones."""
+        return predict_peak_bytes(self.spec, new_tokens, self.config.chunk_size, self.dtype, prefix_tokens)
+
+    def cached_prefix_tokens(self, prompt_ids, cache_namespace: str | None = None) -> int:
+        """Leading tokens of `prompt_ids` cached now (what a request would not recompute)."""
+        return self.cache.cached_tokens(list(prompt_ids), cache_namespace) if self.cache else 0
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop taking work; fail every waiting request with EngineClosedError; let the running
+        one finish; stop the worker. Idempotent."""
+        with self._cv:
+            already, self._closed = self._closed, True
+            waiting = self.scheduler.drain()
+            self._cv.notify_all()
+        for req in waiting:
+            self._fail(req, EngineClosedError("engine closed before the request ran"))
+        if not already and threading.current_thread() is not self._worker:
+            self._worker.join(timeout)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- request loop -------------------------------------------------------------------
+    def _enqueue(self, ids, namespace, run: Callable, priority, deadline_s, user, extra_tokens: int = 0) -> Future:
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+        deadline = _check_deadline(deadline_s)
+        hashes = self.cache.hashes(ids, namespace) if self.cache else []
+        fut: Future = Future()
+        req = WaitingRequest(prompt_tokens=len(ids) + extra_tokens, block_hashes=hashes, priority=int(priority),
+                             user=user, payload=_Job(fut, run))
+        with self._cv:
+            if self._closed:
+                raise EngineClosedError("engine is closed")
+            if deadline is not None:
+                req.deadline = self.scheduler.clock() + deadline
+            try:
+                self.scheduler.add(req)
+            except PrefillOnlyError as e:
+                self.counters[f"rejected:{e.code}"] += 1
+                raise
+            self._cv.notify()
+        fut.add_done_callback(lambda f: f.cancelled() and self._forget(req))
+        return fut
+
+    def _forget(self, req: WaitingRequest) -> None:
+        """A waiting request's Future was cancelled: drop it from the waiting set."""
+        with self._cv:
+            if self.scheduler.remove(req):
+                self.counters["cancelled"] += 1
+
+    def _serve(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and not len(self.scheduler):
+                    self._cv.wait()
+                if self._closed:
+                    return
+                expired = self.scheduler.take_expired()
+                req = self.scheduler.pick()
+            for r in expired:
+                self._fail(r, DeadlineExceededError("deadline passed while the request waited; it was not run"))
+            if req is None or not req.payload.future.set_running_or_notify_cancel():
+                continue  # nothing left, or cancelled between pick and start
+            try:
+                req.payload.future.set_result(req.payload.run())
+                self.counters["completed"] += 1
+            except BaseException as e:  # every request gets exactly one answer
+                self.counters[f"failed:{getattr(e, 'code', type(e).__name__)}"] += 1
+                req.payload.future.set_exception(e)
+
+    def _fail(self, req: WaitingRequest, error: PrefillOnlyError) -> None:
+        fut = req.payload.future
+        if fut.set_running_or_notify_cancel():
+            self.counters[f"rejected:{error.code}"] += 1
+            fut.set_exception(error)
+
+    def _scheduler_cached_tokens(self, req: WaitingRequest) -> int:
+        if self.cache is None:
+            return 0
+        return len(self.cache.index.match(req.block_hashes)) * self.cache.block_size
+
+    def _time_per_token(self, n: int = 256) -> float:
+        """Seed of the JCT estimate: one cold forward's seconds per token (the fit takes over
+        after a few real requests)."""
+        t0 = time.perf_counter()
+        self.executor.forward(torch.zeros(n, dtype=torch.long), self.config.chunk_size)
+        return (time.perf_counter() - t0) / n
+
+    # -- running one request (worker thread) ---------------------------------------------
+    def _run_single(self, ids, allowed_ids, top_k, keep, namespace) -> ScoreResult:
+        with self._cached_prefix(ids, namespace, keep) as ticket:
             p = ticket.cached_tokens if ticket else 0
-            longest = max(len(x) for x in item_ids)
+            self._check_budget(len(ids) - p, p)
+            t0 = time.perf_counter()
+            self._meter.start()
+            out = self.executor.forward(
+                torch.tensor(ids[p:], dtype=torch.long), self.config.chunk_size,
+                prefix=ticket.source if ticket else None, sink=ticket.sink if ticket else None,
+            )
+            peak = self._meter.peak_growth()
+            self.jct.observe(len(ids) - p, p, time.perf_counter() - t0)
+        return build_result(out.logits, allowed_ids, top_k, self.encoder.token_text, len(ids), p, peak)
+
+    def _run_items(self, shared, item_ids, allowed_ids, top_k, keep, namespace) -> list[ScoreResult]:
+        results = []
+        with self._cached_prefix(shared, namespace, keep) as ticket:
+            p = ticket.cached_tokens if ticket else 0
             self._check_budget(len(shared) - p, p, captured=len(shared))
-            self._check_budget(longest, len(shared), held=len(shared))
+            self._check_budget(max(len(x) for x in item_ids), len(shared), held=len(shared))
             # the shared prompt's K/V for every layer, held for this request only
             shared_kv: PrefixKV = self.executor.forward(
                 torch.tensor(shared[p:], dtype=torch.long), self.config.chunk_size,
@@ -151,23 +300,6 @@ class Engine:
                 results.append(build_result(out.logits, allowed_ids, top_k, self.encoder.token_text,
                                             len(shared) + len(ids), p, peak))
         return results
-
-    def predict_peak_bytes(self, new_tokens: int, prefix_tokens: int = 0) -> int:
-        """Predicted peak extra memory of computing `new_tokens` after `prefix_tokens` cached ones."""
-        return predict_peak_bytes(self.spec, new_tokens, self.config.chunk_size, self.dtype, prefix_tokens)
-
-    def cached_prefix_tokens(self, prompt_ids, cache_namespace: str | None = None) -> int:
-        """Leading tokens of `prompt_ids` cached now (what a request would not recompute)."""
-        return self.cache.cached_tokens(list(prompt_ids), cache_namespace) if self.cache else 0
-
-    def close(self) -> None:
-        self._closed = True
-
-    def __enter__(self) -> "Engine":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     # -- prefix cache -------------------------------------------------------------------------
     def _make_cache(self, budget_bytes: int) -> PrefixCache | None:
@@ -195,10 +327,6 @@ class Engine:
         self.cache.commit(ticket)
 
     # -- validation and admission -------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise InvalidRequestError("engine is closed")
-
     def _check_length(self, n: int) -> None:
         if n > self.max_input_len:
             raise PromptTooLongError(f"prompt has {n} tokens, over the max input length {self.max_input_len}")
@@ -247,10 +375,25 @@ class Engine:
         return out
 
 
-def _check_namespace(namespace) -> str | None:
-    if namespace is None or isinstance(namespace, str):
-        return namespace
-    raise InvalidRequestError(f"cache_namespace must be a string, got {type(namespace).__name__}")
+@dataclass
+class _Job:
+    future: Future
+    run: Callable[[], object]
+
+
+def _check_namespace(namespace, user) -> str | None:
+    for name, value in (("cache_namespace", namespace), ("user", user)):
+        if value is not None and not isinstance(value, str):
+            raise InvalidRequestError(f"{name} must be a string, got {type(value).__name__}")
+    return namespace if namespace is not None else user
+
+
+def _check_deadline(deadline_s) -> float | None:
+    if deadline_s is None:
+        return None
+    if isinstance(deadline_s, bool) or not isinstance(deadline_s, numbers.Real) or not deadline_s > 0:
+        raise InvalidRequestError(f"deadline_s must be a positive number of seconds, got {deadline_s!r}")
+    return float(deadline_s)
 
 
 def _load_tokenizer(folder: str):

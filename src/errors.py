@@ -39,3 +39,21 @@ class OverBudgetError(PrefillOnlyError):
     """Serving the request would exceed the activation memory budget."""
 
     code = "over_memory_budget"
+
+
+class OverloadedError(PrefillOnlyError):
+    """The waiting set is full; the request was not queued (retry later or elsewhere)."""
+
+    code = "overloaded"
+
+
+class DeadlineExceededError(PrefillOnlyError):
+    """The request's deadline passed while it waited; it was never run."""
+
+    code = "deadline_exceeded"
+
+
+class EngineClosedError(PrefillOnlyError):
+    """The engine is shut down (or shutting down) and takes no more work."""
+
+    code = "engine_closed"

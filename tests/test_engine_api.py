@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from prefillonly import Engine, EngineConfig, InvalidRequestError, OverBudgetError, PromptTooLongError
+from prefillonly.errors import EngineClosedError
 
 PROMPT = "Is the sky blue on a clear day? Answer:"
 
@@ -112,5 +113,5 @@ def test_max_input_len_override(default_model_path):
 def test_closed_engine_refuses(default_model_path):
     e = Engine(EngineConfig(model=default_model_path, threads=2))
     e.close()
-    with pytest.raises(InvalidRequestError, match="closed"):
+    with pytest.raises(EngineClosedError, match="closed"):
         e.score(PROMPT, [" Yes"])
