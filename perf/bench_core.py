@@ -49,7 +49,8 @@ QUICK_SPEED_LENGTHS = [512]
 QUICK_MEMORY_LENGTHS = [1024, 2048]
 MAX_REPS_AT_8K = 2  # an 8K forward takes tens of seconds per system on 2 cores
 # memory systems -> chunk_size of our engine (0 = unchunked); None = transformers
-MEMORY_SYSTEMS = {"hybrid": 2048, "unchunked": 0, "transformers": None}
+MEMORY_SYSTEMS = {"hybrid": 2048, "hybrid-inplace": 2048, "unchunked": 0, "transformers": None}
+INPLACE_SYSTEMS = {"hybrid-inplace"}  # attention written over Q block by block (the engine's low-memory mode)
 MEMORY_DTYPE = "bfloat16"
 # MIL fit over the longest measured lengths only: per-token buffers dominate there, while at
 # 1-4K tokens allocator and kernel-workspace effects of a few MiB distort the slope.
@@ -208,7 +209,7 @@ def run_peak_subprocess(system: str, length: int, threads: int, timeout_s: int) 
     chunk = MEMORY_SYSTEMS[system]
     cmd = [sys.executable, "-m", "prefillonly.memory_probe", "--tokens", str(length), "--dtype", MEMORY_DTYPE,
            "--threads", str(threads), "--system", "transformers" if system == "transformers" else "prefillonly",
-           "--chunk-size", str(chunk or 0)]
+           "--chunk-size", str(chunk or 0)] + (["--inplace-attention"] if system in INPLACE_SYSTEMS else [])
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=bu.REPO_ROOT)
     except subprocess.TimeoutExpired:
@@ -222,9 +223,9 @@ def run_peak_subprocess(system: str, length: int, threads: int, timeout_s: int) 
     return {"growth_bytes": r["measured_bytes"], "seconds": r["seconds"], "predicted_bytes": r["predicted_bytes"]}
 
 
-def measure_memory(lengths: list[int], threads: int, timeout_s: int) -> list[dict]:
+def measure_memory(lengths: list[int], threads: int, timeout_s: int, systems: list[str]) -> list[dict]:
     points = []
-    for system in MEMORY_SYSTEMS:
+    for system in systems:
         failed_at = None
         for s in lengths:
             point = {"system": system, "tokens": s}
@@ -273,7 +274,9 @@ def max_input_lengths(points: list[dict], budget_bytes: int, spec) -> list[dict]
         within = [p["tokens"] for p in ok if p["growth_bytes"] <= budget_bytes]
         row["longest_measured_within_budget"] = max(within, default=None)
         if chunk is not None:
-            row["mil_predicted"] = largest_length_within(lambda s: predict_peak_bytes(spec, s, chunk or None, DTYPES[MEMORY_DTYPE]), budget_bytes)
+            inplace = system in INPLACE_SYSTEMS
+            row["mil_predicted"] = largest_length_within(
+                lambda s: predict_peak_bytes(spec, s, chunk or None, DTYPES[MEMORY_DTYPE], inplace_attention=inplace), budget_bytes)
         rows.append(row)
         bu.log(f"MIL at {budget_bytes / 2**30:g} GiB, {system}: {row.get('mil_fit')} tokens ({row.get('basis', 'too few points')})")
     return rows
@@ -337,9 +340,12 @@ def render_memory(part: dict) -> str:
             return "failed" if key == "growth_bytes" else "—"
         return mib(p.get(key)) if key != "seconds" else f"{p['seconds']:.1f}"
 
-    header = ["tokens", "hybrid (chunk 2048)", "hybrid predicted", "unchunked", "unchunked predicted", "transformers"]
+    header = ["tokens", "hybrid (chunk 2048)", "hybrid predicted", "hybrid, in-place attention", "in-place predicted",
+              "unchunked", "unchunked predicted", "transformers"]
     rows = [
-        [s, cell("hybrid", s), cell("hybrid", s, "predicted_bytes"), cell("unchunked", s), cell("unchunked", s, "predicted_bytes"), cell("transformers", s)]
+        [s, cell("hybrid", s), cell("hybrid", s, "predicted_bytes"), cell("hybrid-inplace", s),
+         cell("hybrid-inplace", s, "predicted_bytes"), cell("unchunked", s), cell("unchunked", s, "predicted_bytes"),
+         cell("transformers", s)]
         for s in lengths
     ]
     time_rows = [[s] + [cell(system, s, "seconds") for system in MEMORY_SYSTEMS] for s in lengths]
@@ -455,6 +461,8 @@ def write_results(data: dict, out_root: Path) -> None:
 # -- command line ------------------------------------------------------------------------------
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--memory-systems", default=",".join(MEMORY_SYSTEMS),
+                   help="systems of the memory part to (re)measure; the others keep their stored points")
     p.add_argument("--quick", action="store_true", help="tiny run to test the script: 512 tokens, one rep, memory at 1K/2K; writes under perf/out/quick/")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads for every system (default 2)")
     p.add_argument("--skip-speed", action="store_true", help="skip the matmul rate and prefill speed part")
@@ -482,7 +490,12 @@ def main(argv: list[str]) -> int:
         data["speed"] = {**run_info, "matmul": matmul, "prefill": prefill}
     if not a.skip_memory:
         lengths = QUICK_MEMORY_LENGTHS if a.quick else MEMORY_LENGTHS
-        points = measure_memory(lengths, a.threads, a.peak_timeout)
+        systems = [x for x in a.memory_systems.split(",") if x]
+        unknown = set(systems) - set(MEMORY_SYSTEMS)
+        if unknown:
+            raise SystemExit(f"unknown memory systems {sorted(unknown)}; known: {', '.join(MEMORY_SYSTEMS)}")
+        kept = [p for p in data.get("memory", {}).get("points", []) if p["system"] not in systems]
+        points = kept + measure_memory(lengths, a.threads, a.peak_timeout, systems)
         budget = int(a.budget_gib * 2**30)
         data["memory"] = {**run_info, "budget_bytes": budget, "points": points, "mil": max_input_lengths(points, budget, spec)}
     write_results(data, out_root)

@@ -62,6 +62,7 @@ class Plan:
     perf_shape: dict = field(default_factory=dict)  # overrides of the Llama-3.1-8B config
     perf_lengths: tuple[int, ...] = (8192, 32768, 100_000)
     perf_chunks: tuple[int, ...] = (2048, 4096)
+    warm_shapes: tuple[tuple[int, int], ...] = ((14_000, 150), (16_384, 2048))  # (cached P, new S)
     matmul_n: int = 8192
     memory_lengths: tuple[int, ...] = (8192, 32768, 100_000)
     memory_chunk: int = 2048
@@ -84,6 +85,7 @@ def smoke_plan(budget_s: float) -> Plan:
         prefix_split=(150, 61),
         perf_shape=shape,
         perf_lengths=(256, 512),
+        warm_shapes=((256, 64),),
         perf_chunks=(128, 256),
         matmul_n=512,
         memory_lengths=(256, 512),
@@ -124,6 +126,14 @@ SECTIONS = {
     "prefix": (
         "Correctness: cached-prefix path",
         "forward(ids[:P], capture=(0,P)) then forward(ids[P:], 64, prefix=captured); same limits as above.",
+    ),
+    "engine": (
+        "Engine on the device: prefix cache, second tier, multi-item, concurrent submits",
+        "fp32 (TF32 off), tiny random Llama; each row compares against a cache-less engine's logprobs; passes at <= 1e-3.",
+    ),
+    "warm": (
+        "Cached-prefix speed, Llama-3.1-8B shape: S new tokens after P cached (what a warm post-rec request does)",
+        "time of executor.forward(new S, prefix P) vs a cold forward of P+S; model FLOPs per DESIGN.md §10 with the prefix.",
     ),
     "performance": (
         "Prefill speed, Llama-3.1-8B shape (random bf16 weights)",
@@ -345,6 +355,88 @@ def check_one_config(report: Report, plan: Plan, label: str, config, seed: int) 
     row["pass"] = row["ours_bf16"] <= row["bf16_limit"] and row["ours_fp32"] <= FP32_LIMIT and row["fp32_prefix_vs_full"] <= FP32_LIMIT
     report.add("prefix", row)
     del ours, hf_fp32, hf_bf16
+    free_device_memory()
+
+
+# --------------------------------------------------------------------------------------------
+# Step 1b: the Engine on the device (cache tiers, multi-item, request loop)
+# --------------------------------------------------------------------------------------------
+
+
+def check_engine(report: Report, plan: Plan) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from prefillonly import Engine, EngineConfig
+    from prefillonly.cache.kv_pool import KVPool
+
+    label, config = tiny_configs()[0]
+    dev = plan.device
+    gen = torch.Generator().manual_seed(7)
+    with tempfile.TemporaryDirectory() as folder:
+        build_random_reference(config, 0).save_pretrained(folder)
+        common = dict(model=folder, device=str(dev), dtype="float32", cache_block_size=16, chunk_size=64)
+        spec = ModelSpec.from_folder(folder)
+        block = KVPool.bytes_per_block(spec.num_layers, spec.num_kv_heads, 16, spec.head_dim, torch.float32)
+        plain = Engine(EngineConfig(**common, cache_budget_bytes=0))
+        cached = Engine(EngineConfig(**common, cache_budget_bytes=64 * block))
+        tiered = Engine(EngineConfig(**common, cache_budget_bytes=8 * block, cache_second_tier_bytes=64 * block))
+    allowed = [1, 2, 3]
+
+    def gap(a, b):
+        return max(abs(x.logprob - y.logprob) for x, y in zip(a.tokens, b.tokens))
+
+    def row(name, err, **extra):
+        report.add("engine", {"check": name, "max_abs_diff": err, **extra, "pass": err <= FP32_LIMIT})
+
+    profile = torch.randint(0, spec.vocab_size, (200,), generator=gen).tolist()
+    posts = [torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist() for n in (37, 81, 5)]
+    want = [plain.score(profile + p, allowed) for p in posts]
+    got = [cached.score(profile + p, allowed, cache_prefix_len=len(profile)) for p in posts]
+    row("prefix cache hits == no cache", max(gap(a, b) for a, b in zip(got, want)), cached_tokens=got[-1].cached_tokens)
+    other = [torch.randint(0, spec.vocab_size, (200,), generator=gen).tolist() for _ in range(2)]
+    tiered.score(profile + posts[0], allowed, cache_prefix_len=200)
+    for o in other:  # push the profile's blocks to the pinned-host tier
+        tiered.score(o, allowed)
+    back = tiered.score(profile + posts[1], allowed, cache_prefix_len=200)
+    row("second tier (pinned host) restore", gap(back, want[1]), cached_tokens=back.cached_tokens,
+        restored=tiered.cache.stats.blocks_restored)
+    items = plain.score_items(profile, posts, allowed)
+    row("score_items == separate requests", max(gap(a, b) for a, b in zip(items, want)))
+    prompts = [torch.randint(0, spec.vocab_size, (int(n),), generator=gen).tolist() for n in torch.randint(1, 300, (32,), generator=gen)]
+    sequential = [plain.score(p, allowed) for p in prompts]
+    with ThreadPoolExecutor(4) as pool:
+        futures = list(pool.map(lambda p: cached.submit(p, allowed), prompts))
+    concurrent = [f.result(60) for f in futures]
+    row("32 concurrent submits == sequential", max(gap(a, b) for a, b in zip(concurrent, sequential)))
+    for e in (plain, cached, tiered):
+        e.close()
+    free_device_memory()
+
+
+def measure_warm_requests(report: Report, plan: Plan, matmul_rate: float | None) -> None:
+    """The cached-prefix path at 8B scale: S new tokens over P cached ones (masked SDPA on CUDA)."""
+    from prefillonly.cache.prefix_kv import PrefixKV
+
+    spec = ModelSpec.from_hf_config(llama31_8b_config(**plan.perf_shape))
+    dev = plan.device
+    weights = ModelWeights.random(spec, torch.bfloat16, dev)
+    executor = HybridPrefillExecutor(spec, weights, torch.bfloat16, dev, "sdpa")
+    for p, s in plan.warm_shapes:
+        if seconds_left(plan) < 60:
+            report.add("errors", {"step": f"warm P={p} S={s}", "error": "skipped: time budget"})
+            continue
+        ids = torch.randint(0, spec.vocab_size, (p + s,))
+        prefix: PrefixKV = executor.forward(ids[:p], plan.perf_chunks[0], capture=(0, p)).captured
+        warm = time_call(lambda: executor.forward(ids[p:], plan.perf_chunks[0], prefix=prefix), dev, 3)
+        cold = time_call(lambda: executor.forward(ids, plan.perf_chunks[0]), dev, 2)
+        flops = model_flops(spec, s, p)
+        t = statistics.median(warm)
+        report.add("warm", {"P": p, "S": s, "warm_ms": 1e3 * t, "cold_ms": 1e3 * statistics.median(cold),
+                            "speedup": statistics.median(cold) / t, "TFLOP/s": flops / t / 1e12,
+                            "MFU_datasheet": flops / t / H200_DATASHEET_BF16_FLOPS})
+        del prefix
+        free_device_memory()
+    del executor, weights
     free_device_memory()
 
 
@@ -644,10 +736,14 @@ def main(argv=None) -> int:
     if "correctness" not in skip:
         log("step 1: correctness")
         check_correctness(report, plan)
+    if "engine" not in skip:
+        log("step 1b: engine on the device")
+        run_step(report, "engine", check_engine, report, plan)
     matmul_rate = run_step(report, "matmul rate", measure_matmul_rate, report, plan)
     if "perf" not in skip:
         log("step 2: performance")
         run_step(report, "performance", measure_performance, report, plan, matmul_rate)
+        run_step(report, "warm requests", measure_warm_requests, report, plan, matmul_rate)
     if "memory" not in skip:
         log("step 3: memory")
         run_step(report, "memory", measure_memory, report, plan)
@@ -655,7 +751,7 @@ def main(argv=None) -> int:
         log("step 4: attention")
         run_step(report, "attention", measure_attention, report, plan)
 
-    failed = [r for key in ("correctness", "prefix") for r in report.data[key] if not r["pass"]]
+    failed = [r for key in ("correctness", "prefix", "engine") for r in report.data[key] if not r["pass"]]
     log(f"done: {len(failed)} failed correctness rows, {len(report.data['errors'])} errors")
     print("\n" + report.markdown(), flush=True)
     return 1 if failed else 0

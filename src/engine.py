@@ -41,7 +41,7 @@ from .errors import (
     PromptTooLongError,
 )
 from .executor import HybridPrefillExecutor
-from .kernels.attention import resolve_backend
+from .kernels.attention import inplace_attention_supported, resolve_backend
 from .memory import PeakMemoryMeter, available_memory_bytes, predict_peak_bytes
 from .model_spec import ModelSpec
 from .prompts import PromptEncoder
@@ -173,9 +173,10 @@ class Engine:
             out["cache_bytes_in_use"] = self.cache.bytes_in_use()
         return out
 
-    def predict_peak_bytes(self, new_tokens: int, prefix_tokens: int = 0) -> int:
+    def predict_peak_bytes(self, new_tokens: int, prefix_tokens: int = 0, inplace_attention: bool = False) -> int:
         """Predicted peak extra memory of computing `new_tokens` after `prefix_tokens` cached ones."""
-        return predict_peak_bytes(self.spec, new_tokens, self.config.chunk_size, self.dtype, prefix_tokens)
+        return predict_peak_bytes(self.spec, new_tokens, self.config.chunk_size, self.dtype, prefix_tokens,
+                                  inplace_attention=inplace_attention)
 
     def cached_prefix_tokens(self, prompt_ids, cache_namespace: str | None = None) -> int:
         """Leading tokens of `prompt_ids` cached now (what a request would not recompute)."""
@@ -257,7 +258,7 @@ class Engine:
     def _scheduler_cached_tokens(self, req: WaitingRequest) -> int:
         if self.cache is None:
             return 0
-        return len(self.cache.index.match(req.block_hashes)) * self.cache.block_size
+        return self.cache.index.match_length(req.block_hashes) * self.cache.block_size
 
     def _time_per_token(self, n: int = 256) -> float:
         """Seed of the JCT estimate: one cold forward's seconds per token (the fit takes over
@@ -270,12 +271,12 @@ class Engine:
     def _run_single(self, ids, allowed_ids, top_k, keep, namespace) -> ScoreResult:
         with self._cached_prefix(ids, namespace, keep) as ticket:
             p = ticket.cached_tokens if ticket else 0
-            self._check_budget(len(ids) - p, p)
+            inplace = self._memory_plan(len(ids) - p, p)
             t0 = time.perf_counter()
             self._meter.start()
             out = self.executor.forward(
                 torch.tensor(ids[p:], dtype=torch.long), self.config.chunk_size,
-                prefix=ticket.source if ticket else None, sink=ticket.sink if ticket else None,
+                prefix=ticket.source if ticket else None, sink=ticket.sink if ticket else None, inplace_attention=inplace,
             )
             peak = self._meter.peak_growth()
             self.jct.observe(len(ids) - p, p, time.perf_counter() - t0)
@@ -285,17 +286,18 @@ class Engine:
         results = []
         with self._cached_prefix(shared, namespace, keep) as ticket:
             p = ticket.cached_tokens if ticket else 0
-            self._check_budget(len(shared) - p, p, captured=len(shared))
-            self._check_budget(max(len(x) for x in item_ids), len(shared), held=len(shared))
+            inplace_shared = self._memory_plan(len(shared) - p, p, captured=len(shared))
+            inplace_items = self._memory_plan(max(len(x) for x in item_ids), len(shared), held=len(shared))
             # the shared prompt's K/V for every layer, held for this request only
             shared_kv: PrefixKV = self.executor.forward(
                 torch.tensor(shared[p:], dtype=torch.long), self.config.chunk_size,
                 prefix=ticket.source if ticket else None, sink=ticket.sink if ticket else None,
-                capture=(0, len(shared)),
+                capture=(0, len(shared)), inplace_attention=inplace_shared,
             ).captured
             for ids in item_ids:
                 self._meter.start()
-                out = self.executor.forward(torch.tensor(ids, dtype=torch.long), self.config.chunk_size, prefix=shared_kv)
+                out = self.executor.forward(torch.tensor(ids, dtype=torch.long), self.config.chunk_size, prefix=shared_kv,
+                                            inplace_attention=inplace_items)
                 peak = self._meter.peak_growth()
                 results.append(build_result(out.logits, allowed_ids, top_k, self.encoder.token_text,
                                             len(shared) + len(ids), p, peak))
@@ -331,14 +333,27 @@ class Engine:
         if n > self.max_input_len:
             raise PromptTooLongError(f"prompt has {n} tokens, over the max input length {self.max_input_len}")
 
-    def _check_budget(self, new_tokens: int, prefix_tokens: int, captured: int = 0, held: int = 0) -> None:
-        need = predict_peak_bytes(self.spec, new_tokens, self.config.chunk_size, self.dtype, prefix_tokens, captured)
-        need += held * 2 * self.spec.kv_width * self.spec.num_layers * torch.tensor([], dtype=self.dtype).element_size()
-        if need > self.activation_budget_bytes:
-            raise OverBudgetError(
-                f"a {new_tokens + prefix_tokens}-token prompt needs ~{need / 2**20:.1f} MiB of activation memory, over the "
-                f"budget of {self.activation_budget_bytes / 2**20:.1f} MiB (raise activation_budget_bytes or lower chunk_size)"
-            )
+    def _memory_plan(self, new_tokens: int, prefix_tokens: int, captured: int = 0, held: int = 0) -> bool:
+        """Admit a forward against the activation budget. Returns whether it must write
+        attention in place (CPU: slower, no second [S, q_width] tensor) to fit; raises
+        OverBudgetError if it fits neither way."""
+        e = torch.tensor([], dtype=self.dtype).element_size()
+        held_bytes = held * 2 * self.spec.kv_width * self.spec.num_layers * e
+
+        def need(inplace: bool) -> int:
+            return held_bytes + predict_peak_bytes(self.spec, new_tokens, self.config.chunk_size, self.dtype, prefix_tokens,
+                                                   captured, inplace_attention=inplace)
+
+        if need(False) <= self.activation_budget_bytes:
+            return False
+        if inplace_attention_supported(self.device) and need(True) <= self.activation_budget_bytes:
+            self.counters["inplace_attention"] += 1
+            return True
+        raise OverBudgetError(
+            f"a {new_tokens + prefix_tokens}-token prompt needs ~{need(inplace_attention_supported(self.device)) / 2**20:.1f} MiB "
+            f"of activation memory, over the budget of {self.activation_budget_bytes / 2**20:.1f} MiB "
+            f"(raise activation_budget_bytes or lower chunk_size)"
+        )
 
     def _check_top_k(self, top_k) -> int:
         if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache.prefix_kv import CaptureSink, KVSink, PrefixKV, PrefixSource, Sinks
-from .kernels import add_linear_, causal_attention, linear_into, rms_norm_into, rope_into, swiglu_into
+from .kernels import add_linear_, causal_attention, causal_attention_inplace, linear_into, rms_norm_into, rope_into, swiglu_into
 from .model_spec import ModelSpec
 from .rope import RotaryTable
 from .weights import ModelWeights
@@ -50,12 +50,14 @@ class HybridPrefillExecutor:
         prefix: PrefixSource | None = None,
         sink: KVSink | None = None,
         capture: tuple[int, int] | None = None,
+        inplace_attention: bool = False,
     ) -> ForwardOutput:
         """Run the new tokens `token_ids` ([S] int64, S >= 1) after an optional cached `prefix`.
 
         chunk_size None (or >= S) means no chunking. `sink` is offered each layer's K/V (the
         prefix cache keeps its blocks); `capture=(start, end)` returns the K/V of absolute
-        positions [start, end) (prefix positions included) as a PrefixKV.
+        positions [start, end) (prefix positions included) as a PrefixKV. inplace_attention
+        writes attention's output over Q block by block (less memory, slower; CPU only).
         """
         spec = self.spec
         p = prefix.length if prefix is not None else 0
@@ -74,7 +76,10 @@ class HybridPrefillExecutor:
                 self._qkv_chunk(layer, ws, p, c0, c1, cos, sin)
             if sink is not None:
                 sink.store(li, ws["k"], ws["v"])
-            attn = causal_attention(ws["q"], ws["k"], ws["v"], self.scale, self.attention_backend)  # [Hq, S, hd]
+            if inplace_attention:
+                attn = causal_attention_inplace(ws["q"], ws["k"], ws["v"], self.scale)  # == ws["q"]
+            else:
+                attn = causal_attention(ws["q"], ws["k"], ws["v"], self.scale, self.attention_backend)  # [Hq, S, hd]
             for c0, c1 in chunks:
                 self._mlp_chunk(layer, ws, attn, c0, c1)
             del attn

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .kernels.attention import INPLACE_QUERY_BLOCK
 from .model_spec import ModelSpec
 
 # torch SDPA's output and internal buffers, per query element ([S, q_width]), and its
@@ -17,6 +18,12 @@ from .model_spec import ModelSpec
 # SmolLM2 (9 heads / 3 KV heads). tests/test_memory.py keeps the whole prediction within 15%.
 _ATTENTION_BYTES_PER_QUERY_ELEMENT = 6
 _ATTENTION_FIXED_BYTES = 2 << 20
+# causal_attention_inplace: per element of one query block: two flash outputs and their
+# float32 accumulators, the float32 merge, the cast back. Measured (memory_probe growth minus
+# the workspace) ~45 B at 2048-query blocks on a small GQA config, plus ~8 MiB that does not
+# shrink with the block (per-thread flash buffers of two calls, allocator slack).
+_INPLACE_BYTES_PER_QUERY_ELEMENT = 48
+_INPLACE_FIXED_BYTES = 8 << 20
 
 from .workspace import plan_workspace
 
@@ -28,6 +35,7 @@ def predict_peak_bytes(
     dtype: torch.dtype,
     prefix_tokens: int = 0,
     captured_tokens: int = 0,
+    inplace_attention: bool = False,
 ) -> int:
     """Peak extra bytes of a forward over `new_tokens` after `prefix_tokens` of given K/V.
 
@@ -37,7 +45,10 @@ def predict_peak_bytes(
     e = torch.tensor([], dtype=dtype).element_size()
     s = new_tokens
     workspace = plan_workspace(spec, s, chunk_size, dtype, prefix_tokens).nbytes()
-    attention = _ATTENTION_BYTES_PER_QUERY_ELEMENT * s * spec.q_width + _ATTENTION_FIXED_BYTES
+    if inplace_attention:  # one query block's flash outputs and float32 merge at a time
+        attention = _INPLACE_BYTES_PER_QUERY_ELEMENT * min(s, INPLACE_QUERY_BLOCK) * spec.q_width + _INPLACE_FIXED_BYTES
+    else:
+        attention = _ATTENTION_BYTES_PER_QUERY_ELEMENT * s * spec.q_width + _ATTENTION_FIXED_BYTES
     captured = e * 2 * captured_tokens * spec.kv_width * spec.num_layers
     prefix_gather = e * 2 * prefix_tokens * spec.kv_width  # one layer's blocks gathered from the pool
     small = s * (8 + spec.head_dim * e) + spec.vocab_size * (e + 4)  # ids, RoPE tables, logits

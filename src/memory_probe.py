@@ -56,8 +56,10 @@ def measure(args) -> dict:
     seconds = time.perf_counter() - t0
     measured = meter.peak_growth()
     chunk = args.chunk_size or None
-    predicted = predict_peak_bytes(spec, args.tokens, chunk, dtype) if args.system == "prefillonly" else None
-    return dict(system=args.system, tokens=args.tokens, chunk_size=chunk, dtype=args.dtype, measured_bytes=measured,
+    predicted = (predict_peak_bytes(spec, args.tokens, chunk, dtype, inplace_attention=args.inplace_attention)
+                 if args.system == "prefillonly" else None)
+    return dict(system=args.system, tokens=args.tokens, chunk_size=chunk, dtype=args.dtype,
+                inplace_attention=args.inplace_attention, measured_bytes=measured,
                 predicted_bytes=predicted, bytes_per_token=measured / args.tokens, seconds=seconds)
 
 
@@ -70,7 +72,7 @@ def _prefillonly_runner(args, spec, dtype, device):
     else:
         weights = ModelWeights.load(args.model, spec, dtype, device)
     executor = HybridPrefillExecutor(spec, weights, dtype, device, "sdpa")
-    return lambda ids: executor.forward(ids, args.chunk_size or None)
+    return lambda ids: executor.forward(ids, args.chunk_size or None, inplace_attention=args.inplace_attention)
 
 
 def _transformers_runner(args, spec, dtype):
@@ -98,6 +100,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--system", default="prefillonly", choices=["prefillonly", "transformers"])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--inplace-attention", action="store_true", help="write attention over Q block by block (CPU)")
     args = p.parse_args(argv)
     if not (args.model or args.random_config):
         from .config import default_cache_dir

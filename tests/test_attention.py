@@ -64,3 +64,16 @@ def test_bad_shapes_and_backends_are_clear_errors():
     with pytest.raises(ValueError, match="unknown attention backend"):
         resolve_backend("magic", torch.device("cpu"))
     assert resolve_backend("auto", torch.device("cpu")) == "sdpa"
+
+
+@pytest.mark.parametrize("lq,lk", [(37, 37), (100, 100), (45, 130), (1, 60)])
+def test_inplace_attention_equals_reference_and_overwrites_q(lq, lk):
+    from prefillonly.kernels.attention import causal_attention_inplace
+
+    g = torch.Generator().manual_seed(lq + lk)
+    q, k, v = torch.randn(6, lq, 16, generator=g), torch.randn(2, lk, 16, generator=g), torch.randn(2, lk, 16, generator=g)
+    want = reference(q, k, v, 0.25)
+    buf = q.clone()
+    out = causal_attention_inplace(buf, k, v, 0.25, block=16)  # several blocks
+    assert out.data_ptr() == buf.data_ptr()
+    assert (out.double() - want).abs().max() < 1e-5

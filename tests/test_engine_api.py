@@ -115,3 +115,30 @@ def test_closed_engine_refuses(default_model_path):
     e.close()
     with pytest.raises(EngineClosedError, match="closed"):
         e.score(PROMPT, [" Yes"])
+
+
+def test_prompt_over_budget_runs_with_inplace_attention(tmp_path):
+    """A budget between the two predictions: the engine writes attention in place instead of refusing."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=512, num_hidden_layers=1, num_attention_heads=8,
+                                   num_key_value_heads=2, vocab_size=300, max_position_embeddings=16384)
+    cfg.architectures = ["LlamaForCausalLM"]
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    n = 12000  # long enough that one query block's temporaries cost less than a second [S, q_width]
+    common = dict(model=str(tmp_path), dtype="float32", threads=2, cache_budget_bytes=0)
+    prompt = [i % 300 for i in range(n)]
+    with Engine(EngineConfig(**common)) as ref:
+        normal = ref.predict_peak_bytes(n)
+        inplace = ref.predict_peak_bytes(n, inplace_attention=True)
+        assert inplace < normal
+        want = ref.score(prompt, [5, 17])
+        assert ref.stats().get("inplace_attention", 0) == 0
+    with Engine(EngineConfig(**common, activation_budget_bytes=(normal + inplace) // 2)) as e:
+        got = e.score(prompt, [5, 17])
+        assert e.stats()["inplace_attention"] == 1
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(got.tokens, want.tokens)) <= 1e-4
+    with Engine(EngineConfig(**common, activation_budget_bytes=inplace // 2)) as e:
+        with pytest.raises(OverBudgetError):
+            e.score(prompt, [5, 17])

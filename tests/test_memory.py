@@ -56,3 +56,16 @@ def test_prediction_grows_with_length_and_chunk():
     assert p(1000, 512) < p(2000, 512) < p(4000, 512)
     assert p(8192, 512) < p(8192, 2048) < p(8192, None)
     assert p(8192, None) == p(8192, 8192) == p(8192, 100000)
+
+
+def test_inplace_attention_lowers_the_peak_and_is_predicted():
+    import subprocess as sp
+
+    cmd = [sys.executable, "-m", "prefillonly.memory_probe", "--tokens", "16384", "--chunk-size", "512", "--dtype", "bfloat16",
+           "--random-config", json.dumps(CONFIG), "--threads", "2", "--inplace-attention"]
+    out = sp.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    inplace = json.loads(out.stdout.strip().splitlines()[-1])
+    normal = probe(16384, 512, "bfloat16")
+    assert inplace["measured_bytes"] < normal["measured_bytes"] - 16384 * 256 * 2 // 2  # at least half an [S, q_width] saved
+    assert abs(inplace["predicted_bytes"] / inplace["measured_bytes"] - 1) <= 0.15

@@ -253,3 +253,21 @@ def test_default_model_hits_equal_misses_fp32(default_engine):
         warm = default_engine.score(profile + post, [" Yes", " No"], cache_namespace=ns)
         assert cold.cached_tokens == 0 and warm.cached_tokens > 64
         assert max(abs(a.logprob - b.logprob) for a, b in zip(cold.tokens, warm.tokens)) <= 1e-4
+
+
+def test_eviction_is_lru_by_last_use_not_by_when_a_block_became_a_leaf():
+    idx = PrefixIndex(tier1_slots=6)
+    chain(idx, ["a1", "a2", "a3"])  # used first
+    chain(idx, ["b1", "b2", "b3"])  # used later
+    for name in ("c1", "c2"):
+        blk, _ = idx.reserve(name.encode(), b"c1" if name == "c2" else None)
+        assert blk is not None
+    # the two victims are a's leaf, then a's new leaf (a2 is older than b3), never b's blocks
+    assert {b"b1", b"b2", b"b3", b"a1"} <= set(idx.blocks) and b"a3" not in idx.blocks and b"a2" not in idx.blocks
+
+
+def test_match_length_is_the_length_of_match():
+    idx = PrefixIndex(tier1_slots=8)
+    chain(idx, ["x1", "x2", "x3", "x4"])
+    for hashes in ([b"x1", b"x2", b"x3", b"x4", b"x5"], [b"x1", b"x2"], [b"y1"], [], [b"x1", b"zz", b"x3"]):
+        assert idx.match_length(hashes) == len(idx.match(hashes))

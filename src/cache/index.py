@@ -15,8 +15,7 @@ memory on CUDA). Invariants:
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -29,6 +28,7 @@ class Block:
     refs: int = 0
     children: int = 0  # cached children, any tier
     tier1_children: int = 0
+    last_used: int = 0  # logical clock of the last pin/unpin: LRU order
 
 
 @dataclass(frozen=True)
@@ -58,11 +58,28 @@ class PrefixIndex:
         self.blocks: dict[bytes, Block] = {}
         self.capacity = {1: tier1_slots, 2: tier2_slots}
         self._free = {1: list(range(tier1_slots - 1, -1, -1)), 2: list(range(tier2_slots - 1, -1, -1))}
-        self._evictable: dict[int, OrderedDict[bytes, None]] = {1: OrderedDict(), 2: OrderedDict()}  # LRU order
+        # eviction candidates per tier (unpinned leaves of that tier); the victim is the least
+        # recently used one. A scan, not an ordered list: a parent that becomes a leaf when its
+        # child goes keeps its own (older) last use, which an append-ordered list would lose.
+        self._evictable: dict[int, dict[bytes, Block]] = {1: {}, 2: {}}
         self.stats = CacheStats()
         self._tick = itertools.count()
 
     # -- queries ------------------------------------------------------------------------
+    def match_length(self, hashes: list[bytes]) -> int:
+        """How many leading hashes are cached (ready): a binary search, since ready blocks are
+        prefix-closed (a block is only ready while its parent is). The scheduler calls this for
+        every waiting request at every pick."""
+        lo, hi = 0, len(hashes)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            b = self.blocks.get(hashes[mid - 1])
+            if b is not None and b.ready:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     def match(self, hashes: list[bytes]) -> list[Block]:
         """The cached (ready) blocks of the longest matching prefix, in order."""
         out = []
@@ -78,25 +95,31 @@ class PrefixIndex:
 
     # -- pinning --------------------------------------------------------------------------
     def pin(self, blocks: list[Block]) -> None:
+        tick = next(self._tick)
         for b in blocks:
             b.refs += 1
+            b.last_used = tick
             self._refresh(b)
 
     def unpin(self, blocks: list[Block]) -> None:
+        tick = next(self._tick)
         for b in blocks:
             b.refs -= 1
             assert b.refs >= 0
-            self._refresh(b, touch=True)
+            b.last_used = tick
+            self._refresh(b)
 
     # -- changes ----------------------------------------------------------------------------
     def reserve(self, h: bytes, parent: bytes | None) -> tuple[Block | None, list[Move]]:
         """A pinned, not-yet-ready tier-1 block for `h` (its K/V is about to be written), or
         None when no slot can be freed. Returns the data moves the eviction needs first."""
         moves: list[Move] = []
+        if h in self.blocks:  # reserved by a request still running: not ours to overwrite
+            return None, moves
         slot = self._take_slot(1, moves)
         if slot is None:
             return None, moves
-        b = Block(hash=h, parent=parent, tier=1, slot=slot, refs=1)
+        b = Block(hash=h, parent=parent, tier=1, slot=slot, refs=1, last_used=next(self._tick))
         self.blocks[h] = b
         if parent is not None:
             p = self.blocks[parent]
@@ -148,12 +171,10 @@ class PrefixIndex:
         return slot
 
     def _pick_victim(self, tier: int) -> Block | None:
-        for h in self._evictable[tier]:
-            b = self.blocks[h]
-            if tier == 1 and b.children and not self.capacity[2]:
-                continue  # no second tier: only childless blocks can go
-            return b
-        return None
+        candidates = self._evictable[tier].values()
+        if tier == 1 and not self.capacity[2]:  # no second tier: only childless blocks can go
+            candidates = [b for b in candidates if not b.children]
+        return min(candidates, key=lambda b: b.last_used, default=None)
 
     def _remove(self, b: Block, free_slot: bool = True) -> None:
         del self.blocks[b.hash]
@@ -177,12 +198,10 @@ class PrefixIndex:
         b.tier, b.slot = tier, slot
         self._refresh(b)
 
-    def _refresh(self, b: Block, touch: bool = False) -> None:
-        """Keep b's place in its tier's LRU list of eviction candidates up to date."""
-        lru = self._evictable[b.tier]
-        evictable = b.ready and b.refs == 0 and (b.tier1_children == 0 if b.tier == 1 else b.children == 0)
-        if not evictable:
-            lru.pop(b.hash, None)
-        elif touch or b.hash not in lru:
-            lru.pop(b.hash, None)
-            lru[b.hash] = None  # most recently used at the end
+    def _refresh(self, b: Block) -> None:
+        """Keep b's membership of its tier's eviction candidates up to date."""
+        candidates = self._evictable[b.tier]
+        if b.ready and b.refs == 0 and (b.tier1_children == 0 if b.tier == 1 else b.children == 0):
+            candidates[b.hash] = b
+        else:
+            candidates.pop(b.hash, None)

@@ -86,8 +86,8 @@ class PrefixCache:
 
     def cached_tokens(self, ids, namespace: str | None = None) -> int:
         """How many leading tokens of `ids` are cached right now (for the scheduler); no pinning."""
-        matched = self.index.match(self.hashes(ids, namespace))
-        return min(len(matched) * self.block_size, max(0, len(ids) - 1))
+        matched = self.index.match_length(self.hashes(ids, namespace))
+        return min(matched * self.block_size, max(0, len(ids) - 1))
 
     def begin(self, ids, namespace: str | None, keep_len: int) -> CacheTicket:
         """Match and pin the cached prefix, reserve slots for the new blocks to keep."""

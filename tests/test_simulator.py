@@ -1,0 +1,187 @@
+"""perf/simulate.py: the discrete-event scheduler simulation. Fast; no model (the engine's
+Scheduler and PrefixIndex with a cost model)."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
+import simulate as sim  # noqa: E402
+import workloads as wl  # noqa: E402
+
+SMALL_POST_REC = wl.PostRecScale(users=8, posts_per_user=10, profile_mean=2000)
+SMALL_CREDIT = wl.CreditScale(requests=12, length_mean=6000)
+
+
+def run(work, cost, load, policy, engines=1, cache_blocks=None, **kw):
+    reqs = work.with_arrivals(load * sim.saturated_qps(work, cost, engines))
+    return sim.simulate(reqs, cost, sim.SimConfig(policy=policy, engines=engines, cache_blocks=cache_blocks, **kw), work.block_size)
+
+
+def numbers(res):
+    s = res.summary()
+    s.pop("sim_wall_s")
+    return s, [(r.request_id, r.engine, r.start_s, r.done_s, r.cached) for r in res.records]
+
+
+# -- cost models ------------------------------------------------------------------------------
+def test_gpu_cost_model_matches_design_md():
+    gpu = sim.gpu_cost_model()  # Llama-3.1-8B at 50% of 989 TFLOP/s: ~30.7K tok/s at 8K, ~20.2K at 40K
+    assert 8192 / gpu.seconds(8192, 0) == pytest.approx(30.7e3, rel=0.01)
+    assert 40000 / gpu.seconds(40000, 0) == pytest.approx(20.2e3, rel=0.01)
+    flops = 2 * 7.0e9 * 200 + 2 * 32 * 4096 * 200 * (2 * 14000 + 200)
+    assert gpu.seconds(200, 14000) == pytest.approx(flops / (0.5 * 989e12))
+    assert gpu.kv_bytes_per_token == 128 * 1024
+
+
+def test_cpu_cost_model_defaults():
+    cpu = sim.cpu_cost_model()
+    assert 6.5 < cpu.seconds(8192, 0) < 7.5  # ~7 s for a cold 8K prompt (RESULTS.md: 1187 tok/s)
+    assert cpu.seconds(200, 2000) < cpu.seconds(2200, 0) / 3  # a warm request is much cheaper
+    free = sim.cpu_cost_model(context_factor=0)
+    assert free.seconds(200, 2000) == free.seconds(200, 0)
+
+
+# -- workloads ----------------------------------------------------------------------------------
+def test_synthetic_keys_give_the_same_simulation_as_real_block_hashes():
+    """Synthetic (user, i) / (request, i) keys must be equivalent to chained hashes of the ids."""
+    scale = wl.PostRecScale(users=4, posts_per_user=6, profile_mean=700)
+    trace = wl.generate_post_rec(scale, seed=2)
+    real, synth = sim.trace_workload(trace, 64), sim.post_rec_workload(scale, seed=2, block_size=64)
+    assert [(r.request_id, r.prompt_tokens, r.keep_len, len(r.block_keys)) for r in real.requests] == \
+           [(r.request_id, r.prompt_tokens, r.keep_len, len(r.block_keys)) for r in synth.requests]
+    cost = sim.gpu_cost_model()
+    blocks = 20  # tight: evictions happen
+    for policy in sim.POLICIES:
+        a, b = (numbers(run(w, cost, 2.0, policy, cache_blocks=blocks)) for w in (real, synth))
+        assert a == b
+
+
+def test_arrivals_are_the_workload_generators():
+    work = sim.post_rec_workload(SMALL_POST_REC, seed=1)
+    trace = wl.with_poisson_arrivals(wl.generate_post_rec(SMALL_POST_REC, seed=1), 0.7)
+    qps = 0.7 * len(trace.requests) / trace.num_users
+    assert [r.arrival_s for r in work.with_arrivals(qps)] == pytest.approx([r.arrival_s for r in trace.requests])
+
+
+# -- the simulation --------------------------------------------------------------------------------
+@pytest.mark.parametrize("policy", sim.POLICIES)
+def test_deterministic_for_a_seed(policy):
+    work = sim.post_rec_workload(SMALL_POST_REC, seed=3)
+    cost = sim.cpu_cost_model()
+    a, b = (numbers(run(work, cost, 1.0, policy, cache_blocks=100, noise=0.1, seed=5)) for _ in range(2))
+    assert a == b
+    other = sim.post_rec_workload(SMALL_POST_REC, seed=4)
+    assert numbers(run(other, cost, 1.0, policy, cache_blocks=100, noise=0.1, seed=5)) != a
+
+
+@pytest.mark.parametrize("engines", [1, 3])
+@pytest.mark.parametrize("policy", sim.POLICIES)
+def test_every_request_completes_exactly_once(policy, engines):
+    work = sim.post_rec_workload(SMALL_POST_REC, seed=0)
+    res = run(work, sim.gpu_cost_model(), 3.0, policy, engines=engines, cache_blocks=60)
+    assert not res.rejected
+    assert Counter(r.request_id for r in res.records) == Counter(r.request_id for r in work.requests)
+    for r in res.records:
+        assert r.arrival_s <= r.start_s < r.done_s
+        assert r.done_s == pytest.approx(r.start_s + r.service_s)
+    for e in range(engines):  # one request at a time per engine
+        mine = sorted((r for r in res.records if r.engine == e), key=lambda r: r.start_s)
+        assert all(x.done_s <= y.start_s + 1e-12 for x, y in zip(mine, mine[1:]))
+    users = {}
+    for r in res.records:  # user affinity: a user's requests all on one engine
+        users.setdefault(r.request_id.split("/")[0], set()).add(r.engine)
+    assert all(len(v) == 1 for v in users.values())
+    if engines > 1:
+        assert len({r.engine for r in res.records}) > 1
+
+
+def test_overloaded_requests_are_refused_not_lost():
+    work = sim.post_rec_workload(SMALL_POST_REC, seed=0)
+    res = run(work, sim.gpu_cost_model(), 4.0, "csjf", max_waiting=5)
+    assert res.rejected
+    assert sorted([r.request_id for r in res.records] + res.rejected) == sorted(r.request_id for r in work.requests)
+
+
+def test_low_load_latency_is_the_service_time():
+    work = sim.credit_workload(SMALL_CREDIT, seed=0)
+    for policy in sim.POLICIES:
+        res = run(work, sim.cpu_cost_model(), 0.02, policy)
+        s = res.summary()
+        assert s["mean_latency_s"] == pytest.approx(s["mean_service_s"], rel=0.02)
+        assert all(r.latency_s == pytest.approx(r.service_s) for r in res.records if r.start_s == r.arrival_s)
+
+
+def test_fcfs_with_room_for_every_profile_costs_the_perfect_cache_total():
+    """FCFS runs a user's requests in order, so with a large cache only first requests miss."""
+    work = sim.post_rec_workload(SMALL_POST_REC, seed=0)
+    cost = sim.cpu_cost_model()
+    res = run(work, cost, 2.0, "fcfs")
+    assert sum(r.service_s for r in res.records) == pytest.approx(sim.perfect_cache_service_s(work, cost))
+    assert res.summary()["hit_rate"] == pytest.approx(1 - sim.perfect_cache_tokens(work) / work.prompt_tokens)
+    assert res.summary()["blocks_evicted"] == 0
+
+
+def test_tight_cache_evicts_and_never_exceeds_capacity():
+    work = sim.post_rec_workload(SMALL_POST_REC, seed=0)
+    res = run(work, sim.cpu_cost_model(), 2.0, "fcfs", cache_blocks=40)  # ~1.3 profiles of ~31 blocks
+    s = res.summary()
+    assert s["blocks_evicted"] > 0
+    assert s["hit_rate"] < 1 - sim.perfect_cache_tokens(work) / work.prompt_tokens
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_csjf_keeps_more_cache_hits_than_fcfs_near_saturation(seed):
+    """Zero-cost cache hits (cached tokens cost nothing) and a cache for ~3 of 8 profiles."""
+    work = sim.post_rec_workload(SMALL_POST_REC, seed=seed)
+    cost = sim.cpu_cost_model(context_factor=0)
+    blocks = 3 * 2000 // 64
+    fcfs, csjf = (run(work, cost, 1.0, p, cache_blocks=blocks).summary() for p in ("fcfs", "csjf"))
+    assert csjf["hit_rate"] >= fcfs["hit_rate"]
+    assert csjf["mean_latency_s"] <= fcfs["mean_latency_s"]
+
+
+def test_csjf_estimator_is_fitted_online():
+    work = sim.post_rec_workload(SMALL_POST_REC, seed=0)
+    res = run(work, sim.gpu_cost_model(), 1.0, "csjf")
+    # the true cost has the estimator's form, so the online fit recovers it (until then: the fallback proxy)
+    cost, coef = sim.gpu_cost_model(), res.estimator_coefficients[0]
+    assert coef is not None
+    assert coef.per_token_s == pytest.approx(cost.per_token_s, rel=1e-3)
+    assert coef.attention_s == pytest.approx(cost.attention_s, rel=1e-3)
+    assert coef.fixed_s == pytest.approx(0, abs=1e-4)
+
+
+def test_pick_charge_delays_requests():
+    work = sim.post_rec_workload(SMALL_POST_REC, seed=0)
+    free, charged = (run(work, sim.gpu_cost_model(), 2.0, "fcfs", pick_s_per_waiting=c).summary() for c in (0.0, 1e-3))
+    assert charged["mean_pick_s"] > 0 and charged["mean_latency_s"] > free["mean_latency_s"]
+
+
+def test_routing_is_stable_and_spreads_users():
+    assert [sim.engine_of(u, 4) for u in range(20)] == [sim.engine_of(u, 4) for u in range(20)]
+    assert len({sim.engine_of(u, 4) for u in range(20)}) == 4
+    assert sim.engine_of(7, 1) == 0
+
+
+def test_saturated_qps_scales_with_engines():
+    work = sim.post_rec_workload(SMALL_POST_REC, seed=0)
+    cost = sim.gpu_cost_model()
+    assert sim.saturated_qps(work, cost, 4) == pytest.approx(4 * sim.saturated_qps(work, cost, 1))
+    assert sim.saturated_qps(work, cost) == pytest.approx(len(work.requests) / sim.perfect_cache_service_s(work, cost))
+
+
+def test_render_and_plot_smoke(tmp_path):
+    sc = sim.Scenario("tiny", "post_rec", "tiny", "cpu", 1, 0.01)
+    data = sim.run_scenario(sc, [0.5, 0.9], list(sim.POLICIES), 0, 64, 0.5, 0.0)
+    assert len(data["runs"]) == 6 and data["requests"] == 4  # the tiny preset: 2 users x 2 posts
+    doc = {"command": "x", "date": "d", "machine": {"cpu": "c", "cores": 1, "memory_gib": 1, "torch": "t", "threads": 1, "python": "p"},
+           "seed": 0, "noise": 0.0, "cost_models": {"cpu": sim.cpu_cost_model().describe()}, "scenarios": [data],
+           "pick_cost": [{"policy": "csjf", "waiting": 10, "profiles_cached": True, "median_ms": 1.0, "per_request_us": 100.0}]}
+    text = sim.render(doc)
+    assert "At 0.9× saturation" in text and "CSJF mean" in text
+    assert sim.plot(doc, tmp_path / "p.png") and (tmp_path / "p.png").stat().st_size > 1000
