@@ -277,7 +277,7 @@ def inner_run(args: argparse.Namespace) -> dict:
         "cached_tokens": cached,
         "prefix_cache_hit_fraction": cached / trace.prompt_tokens,
         "vllm_counters": _counter_growth(counters_before, _prefix_cache_counters(llm)),
-        "peak_rss_bytes": _status_bytes("VmHWM"),
+        "peak_rss_bytes": bu.status_bytes("VmHWM"),
         "started": started,
         "per_request": per_request,
     }
@@ -318,10 +318,10 @@ def inner_max_input_length(args: argparse.Namespace) -> dict:
     }
     if args.serve_longest:  # minutes: a 46K-token prefill on 2 cores
         bu.log(f"serving a {longest_accepted}-token prompt to show it is accepted")
-        rss0 = _status_bytes("VmRSS")
+        rss0 = bu.status_bytes("VmRSS")
         t0 = time.perf_counter()
         llm.generate([TokensPrompt(prompt_token_ids=_filler_ids(longest_accepted))], params, use_tqdm=False)
-        result["served_longest"] = {"tokens": longest_accepted, "seconds": time.perf_counter() - t0, "rss_growth_bytes": _status_bytes("VmHWM") - rss0}
+        result["served_longest"] = {"tokens": longest_accepted, "seconds": time.perf_counter() - t0, "rss_growth_bytes": bu.status_bytes("VmHWM") - rss0}
     return result
 
 
@@ -483,14 +483,6 @@ def _versions() -> dict:
     import vllm
 
     return {"vllm": vllm.__version__, "torch": torch.__version__}
-
-
-def _status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 class ProgressLog:

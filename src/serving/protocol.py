@@ -1,0 +1,139 @@
+"""The Triton model's wire format: input tensors -> engine calls, ScoreResults -> output tensors.
+
+Pure numpy, no Triton imports, so it is tested without a server; model.py only moves tensors
+between pb_utils and these functions. Input names match what Triton's HTTP generate endpoint
+maps JSON fields to (a JSON string becomes a one-element BYTES tensor, a list a longer one).
+
+Inputs (all optional except a prompt and the allowed tokens):
+  text_input            BYTES [n]   one or more independent prompts (one result each)
+  input_ids             INT64 [s]   a prompt as token ids (instead of text_input)
+  allowed_tokens        BYTES [k]   allowed outputs as strings (" Yes": mind the space)
+  allowed_token_ids     INT64 [k]   allowed outputs as ids (with or instead of the strings)
+  items                 BYTES [m]   multi-item: score prompt + item_i for each item
+  item_template         BYTES [1]   e.g. "\\nPost: {item}\\nAnswer:"
+  cache_prefix_len, top_k, priority   INT64 [1]
+  apply_chat_template   BOOL [1]
+  user                  BYTES [1]   cache namespace (tenant / user isolation)
+Outputs, one element per result (prompts, or items of a multi-item call), in order:
+  result_json           BYTES [r]   the whole ScoreResult as JSON (the unambiguous form for JSON users)
+  chosen_token          BYTES [r]
+  chosen_token_id       INT64 [r]
+  chosen_prob           FP32  [r]
+  allowed_probs         FP32  [r*k] row-major: result i's k allowed tokens in the order asked
+  allowed_logprobs      FP32  [r*k] full-vocabulary log-probabilities, same layout
+  prompt_tokens, cached_tokens   INT64 [r]
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import InvalidRequestError
+from ..result import ScoreResult
+
+INPUTS = {
+    "text_input": "BYTES", "input_ids": "INT64", "allowed_tokens": "BYTES", "allowed_token_ids": "INT64",
+    "items": "BYTES", "item_template": "BYTES", "cache_prefix_len": "INT64", "top_k": "INT64", "priority": "INT64",
+    "apply_chat_template": "BOOL", "user": "BYTES",
+}
+
+
+@dataclass
+class ScoreCall:
+    """What one Triton request asks of the engine."""
+
+    prompts: list  # texts (str) or one list of token ids
+    allowed: list  # strings and/or ids
+    items: list | None = None
+    options: dict = field(default_factory=dict)  # keyword arguments for Engine.submit / submit_items
+
+
+def parse_request(tensors: dict[str, np.ndarray]) -> ScoreCall:
+    """Validate and convert one request's input tensors; InvalidRequestError names the problem."""
+    unknown = sorted(set(tensors) - set(INPUTS))
+    if unknown:
+        raise InvalidRequestError(f"unknown input(s) {', '.join(unknown)}; known: {', '.join(INPUTS)}")
+    has_text, has_ids = "text_input" in tensors, "input_ids" in tensors
+    if has_text == has_ids:
+        raise InvalidRequestError("give exactly one of text_input (text) or input_ids (token ids)" if has_text
+                                  else "missing prompt: give text_input (text) or input_ids (token ids)")
+    if has_text:
+        prompts = [_text(x, "text_input") for x in _flat(tensors["text_input"])]
+        if not prompts:
+            raise InvalidRequestError("text_input is empty")
+    else:
+        prompts = [_ints(tensors["input_ids"], "input_ids")]
+    allowed = [_text(x, "allowed_tokens") for x in _flat(tensors.get("allowed_tokens", []))]
+    allowed += _ints(tensors.get("allowed_token_ids", np.zeros(0, np.int64)), "allowed_token_ids")
+    if not allowed:
+        raise InvalidRequestError("missing allowed tokens: give allowed_tokens (strings) and/or allowed_token_ids")
+    options = {}
+    for name in ("cache_prefix_len", "top_k", "priority"):
+        if name in tensors:
+            options[name] = _scalar_int(tensors[name], name)
+    if "apply_chat_template" in tensors:
+        options["apply_chat_template"] = bool(_scalar(tensors["apply_chat_template"], "apply_chat_template"))
+    if "user" in tensors:
+        options["user"] = _text(_scalar(tensors["user"], "user"), "user")
+    items = None
+    if "items" in tensors:
+        items = [_text(x, "items") for x in _flat(tensors["items"])]
+        if len(prompts) != 1:
+            raise InvalidRequestError("items need exactly one shared prompt, got several text_input values")
+        if "item_template" in tensors:
+            options["item_template"] = _text(_scalar(tensors["item_template"], "item_template"), "item_template")
+    elif "item_template" in tensors:
+        raise InvalidRequestError("item_template given without items")
+    return ScoreCall(prompts=prompts, allowed=allowed, items=items, options=options)
+
+
+def results_to_outputs(results: list[ScoreResult]) -> dict[str, np.ndarray]:
+    return {
+        "result_json": np.array([json.dumps(r.to_dict(), ensure_ascii=False).encode() for r in results], dtype=np.object_),
+        "chosen_token": np.array([r.chosen.text.encode() for r in results], dtype=np.object_),
+        "chosen_token_id": np.array([r.chosen.id for r in results], dtype=np.int64),
+        "chosen_prob": np.array([r.chosen.prob for r in results], dtype=np.float32),
+        "allowed_probs": np.array([t.prob for r in results for t in r.tokens], dtype=np.float32),
+        "allowed_logprobs": np.array([t.logprob for r in results for t in r.tokens], dtype=np.float32),
+        "prompt_tokens": np.array([r.prompt_tokens for r in results], dtype=np.int64),
+        "cached_tokens": np.array([r.cached_tokens for r in results], dtype=np.int64),
+    }
+
+
+def _flat(a) -> list:
+    return list(np.asarray(a, dtype=object).reshape(-1)) if np.size(a) else []
+
+
+def _text(value, name: str) -> str:
+    if isinstance(value, (bytes, bytearray, np.bytes_)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InvalidRequestError(f"{name} is not valid UTF-8: byte 0x{bytes(value)[e.start]:02x} at offset {e.start}") from None
+    if isinstance(value, str):
+        return value
+    raise InvalidRequestError(f"{name} must be text (BYTES), got {type(value).__name__}")
+
+
+def _ints(a, name: str) -> list[int]:
+    arr = np.asarray(a)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidRequestError(f"{name} must be integers (INT64), got {arr.dtype}")
+    return [int(x) for x in arr.reshape(-1)]
+
+
+def _scalar(a, name: str):
+    arr = np.asarray(a, dtype=object if np.asarray(a).dtype == object else None).reshape(-1)
+    if arr.size != 1:
+        raise InvalidRequestError(f"{name} must hold exactly one value, got {arr.size}")
+    return arr[0]
+
+
+def _scalar_int(a, name: str) -> int:
+    value = _scalar(a, name)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise InvalidRequestError(f"{name} must be an integer (INT64), got {value!r}")
+    return int(value)

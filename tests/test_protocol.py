@@ -1,0 +1,58 @@
+"""The Triton model's wire format (prefillonly.serving.protocol), without a server."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from prefillonly import InvalidRequestError
+from prefillonly.result import ScoreResult, TokenScore
+from prefillonly.serving.protocol import parse_request, results_to_outputs
+
+
+def b(*texts):
+    return np.array([t.encode() if isinstance(t, str) else t for t in texts], dtype=np.object_)
+
+
+def test_text_prompts_allowed_strings_and_ids_and_options():
+    call = parse_request({"text_input": b("a", "b"), "allowed_tokens": b(" Yes"), "allowed_token_ids": np.array([7]),
+                          "top_k": np.array([3]), "cache_prefix_len": np.array([1]), "priority": np.array([2]),
+                          "apply_chat_template": np.array([False]), "user": b("u1")})
+    assert call.prompts == ["a", "b"] and call.allowed == [" Yes", 7] and call.items is None
+    assert call.options == {"top_k": 3, "cache_prefix_len": 1, "priority": 2, "apply_chat_template": False, "user": "u1"}
+
+
+def test_ids_and_items():
+    call = parse_request({"input_ids": np.array([1, 2, 3]), "allowed_token_ids": np.array([4, 5]),
+                          "items": b("x", "y"), "item_template": b("\nPost: {item}")})
+    assert call.prompts == [[1, 2, 3]] and call.items == ["x", "y"] and call.options["item_template"] == "\nPost: {item}"
+
+
+@pytest.mark.parametrize("tensors,match", [
+    ({"allowed_tokens": b(" Yes")}, "missing prompt"),
+    ({"text_input": b("a"), "input_ids": np.array([1]), "allowed_tokens": b(" Yes")}, "exactly one of text_input"),
+    ({"text_input": b("a")}, "missing allowed tokens"),
+    ({"text_input": b(b"caf\xe9"), "allowed_tokens": b(" Yes")}, "text_input is not valid UTF-8: byte 0xe9 at offset 3"),
+    ({"input_ids": np.array([1.5]), "allowed_tokens": b(" Yes")}, "input_ids must be integers"),
+    ({"text_input": b("a"), "allowed_tokens": b(" Yes"), "top_k": np.array([1, 2])}, "top_k must hold exactly one value"),
+    ({"text_input": b("a", "b"), "allowed_tokens": b(" Yes"), "items": b("x")}, "items need exactly one shared prompt"),
+    ({"text_input": b("a"), "allowed_tokens": b(" Yes"), "item_template": b("{item}")}, "item_template given without items"),
+    ({"text_input": b("a"), "allowed_tokens": b(" Yes"), "temperature": np.array([1.0])}, "unknown input"),
+])
+def test_bad_requests_name_the_problem(tensors, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        parse_request(tensors)
+
+
+def test_outputs_one_element_per_result_row_major_allowed():
+    def result(p_yes):
+        toks = [TokenScore(9, " Yes", -1.0, p_yes), TokenScore(8, " No", -2.0, 1 - p_yes)]
+        return ScoreResult(tokens=toks, chosen=max(toks, key=lambda t: t.prob), prompt_tokens=5, cached_tokens=2)
+
+    out = results_to_outputs([result(0.7), result(0.2)])
+    assert list(out["chosen_token"]) == [b" Yes", b" No"] and list(out["chosen_token_id"]) == [9, 8]
+    assert out["allowed_probs"].tolist() == pytest.approx([0.7, 0.3, 0.2, 0.8])
+    assert json.loads(out["result_json"][1])["chosen"]["text"] == " No"
+    assert out["prompt_tokens"].tolist() == [5, 5] and out["cached_tokens"].tolist() == [2, 2]
