@@ -1,12 +1,9 @@
 #!/usr/bin/env bash
-# The README's main command: set up (or refresh) the environment, then serve the default model.
-# Until the Triton model lands this scores a sample prompt with the CLI; extra arguments go to
-# `prefillonly score` (e.g. --prompt "..." --allowed " Yes" " No").
+# The README's main command: set up (or refresh) the environment, then run a real tritonserver
+# serving model_repository/ (the prefillonly model on the embedded default SmolLM2-135M),
+# wait until it is ready, print how to call it, and stay in the foreground (Ctrl-C stops it).
+# Extra arguments go to `python -m prefillonly.serving serve` (e.g. --http-port 9000, --host 127.0.0.1).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh"
-BIN="${PREFILLONLY_VENV:-$ROOT/.venv}/bin"
-if [ "$#" -eq 0 ]; then
-  set -- --prompt "Is the sky blue on a clear day? Answer Yes or No. Answer:" --allowed " Yes" " No"
-fi
-exec "$BIN/prefillonly" score "$@"
+exec "${PREFILLONLY_VENV:-$ROOT/.venv}/bin/python" -m prefillonly.serving serve --model-repository "$ROOT/model_repository" "$@"

@@ -1,0 +1,119 @@
+"""The prefillonly Triton model on a real tritonserver, through real tritonclient HTTP and gRPC
+clients: results equal Engine.score on the same input, bad input gets an error naming the
+problem while the server keeps serving, multi-item, and concurrent gRPC streams."""
+
+from __future__ import annotations
+
+import json
+import queue
+import shutil
+import threading
+import urllib.request
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from prefillonly.serving.testing import running_server
+
+REPO = Path(__file__).resolve().parents[1] / "model_repository"
+PROMPT = "Is the sky blue on a clear day? Answer:"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("repo")
+    shutil.copytree(REPO / "prefillonly", repo / "prefillonly")
+    config = repo / "prefillonly" / "config.pbtxt"
+    # fp32 so that the server's numbers equal an in-process Engine's exactly
+    config.write_text(config.read_text().replace('string_value: "bfloat16"', 'string_value: "float32"')
+                      .replace('key: "threads" value: { string_value: "" }', 'key: "threads" value: { string_value: "1" }'))
+    with running_server(repo, ready_timeout=180) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from prefillonly import Engine, EngineConfig
+
+    with Engine(EngineConfig(dtype="float32", threads=1)) as e:
+        yield e
+
+
+def generate(server, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(f"{server.http_url}/v2/models/prefillonly/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def test_http_generate_equals_engine_score(server, engine):
+    status, out = generate(server, {"text_input": PROMPT, "allowed_tokens": [" Yes", " No"], "top_k": 2})
+    assert status == 200, out
+    want = engine.score(PROMPT, [" Yes", " No"], top_k=2)
+    result = json.loads(out["result_json"])
+    assert [t["text"] for t in result["tokens"]] == [" Yes", " No"]
+    for got, exp in zip(result["tokens"], want.tokens):
+        assert got["logprob"] == pytest.approx(exp.logprob, abs=1e-4)
+    assert out["chosen_token"] == want.chosen.text and len(result["top_k"]) == 2
+
+
+def test_http_generate_multi_item_and_several_prompts(server, engine):
+    status, out = generate(server, {"text_input": "User likes hiking.", "items": ["Alpine trails", "Stock news"],
+                                    "item_template": "\nPost: {item}\nClick? Answer:", "allowed_tokens": [" Yes", " No"]})
+    assert status == 200, out
+    assert len(out["result_json"]) == 2 and len(out["allowed_probs"]) == 4
+    want = engine.score_items("User likes hiking.", ["Alpine trails", "Stock news"], [" Yes", " No"],
+                              item_template="\nPost: {item}\nClick? Answer:")
+    for got, exp in zip(out["result_json"], want):
+        assert json.loads(got)["tokens"][0]["logprob"] == pytest.approx(exp.tokens[0].logprob, abs=1e-4)
+    status, out = generate(server, {"text_input": [PROMPT, "Is fire cold? Answer:"], "allowed_token_ids": [9230, 2838]})
+    assert status == 200 and len(out["chosen_token_id"]) == 2
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"allowed_tokens": [" Yes"]}, "missing prompt"),
+    ({"text_input": PROMPT}, "missing allowed tokens"),
+    ({"text_input": PROMPT, "allowed_tokens": ["Yes please"]}, "encodes to 2 tokens"),
+    ({"text_input": PROMPT, "allowed_token_ids": [999999]}, "outside the vocabulary"),
+    ({"text_input": "x " * 9000, "allowed_tokens": [" Yes"]}, "over the max input length"),
+])
+def test_bad_input_is_an_error_naming_the_problem_and_the_server_keeps_serving(server, body, needle):
+    status, out = generate(server, body)
+    assert status == 400 and needle in out.get("error", ""), (status, out)
+    status, out = generate(server, {"text_input": PROMPT, "allowed_tokens": [" Yes", " No"]})
+    assert status == 200
+
+
+def test_grpc_streaming_concurrent_requests_each_answered_once(server, engine):
+    import tritonclient.grpc as grpcclient
+
+    prompts = [f"Question {i}: is {i} even? Answer:" for i in range(16)]
+    answers: "queue.Queue" = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for i, p in enumerate(prompts):
+            text = grpcclient.InferInput("text_input", [1], "BYTES")
+            text.set_data_from_numpy(np.array([p.encode()], dtype=np.object_))
+            allowed = grpcclient.InferInput("allowed_tokens", [2], "BYTES")
+            allowed.set_data_from_numpy(np.array([b" Yes", b" No"], dtype=np.object_))
+            client.async_stream_infer("prefillonly", [text, allowed], request_id=str(i))
+        got = {}
+        for _ in prompts:
+            result, error = answers.get(timeout=120)
+            assert error is None, error
+            rid = result.get_response().id
+            assert rid not in got
+            got[rid] = result.as_numpy("allowed_logprobs")
+    finally:
+        client.stop_stream()
+        client.close()
+    assert sorted(got, key=int) == [str(i) for i in range(16)]
+    for i, p in enumerate(prompts):
+        want = engine.score(p, [" Yes", " No"])
+        assert got[str(i)].tolist() == pytest.approx([t.logprob for t in want.tokens], abs=1e-4)
