@@ -117,3 +117,20 @@ def test_grpc_streaming_concurrent_requests_each_answered_once(server, engine):
     for i, p in enumerate(prompts):
         want = engine.score(p, [" Yes", " No"])
         assert got[str(i)].tolist() == pytest.approx([t.logprob for t in want.tokens], abs=1e-4)
+
+
+def test_perf_analyzer_streaming_load_has_no_errors(server, tmp_path):
+    """A short bounded perf_analyzer run (gRPC streaming, concurrency 2) on real prompts."""
+    import subprocess
+
+    from prefillonly.serving.launcher import perf_analyzer_env, perf_analyzer_path
+
+    data = {"data": [{"text_input": {"content": [p], "shape": [1]}, "allowed_tokens": {"content": [" Yes", " No"], "shape": [2]}}
+                     for p in ("Is the sky blue? Answer:", "Is water dry? Answer:", "Do fish swim? Answer:")]}
+    (tmp_path / "inputs.json").write_text(json.dumps(data))
+    pa = subprocess.run([str(perf_analyzer_path()), "-m", "prefillonly", "-u", server.grpc_url, "-i", "grpc", "--streaming",
+                         "--input-data", str(tmp_path / "inputs.json"), "--concurrency-range", "2",
+                         "--measurement-mode", "count_windows", "--measurement-request-count", "20", "-s", "999",
+                         "--max-trials", "3"], env=perf_analyzer_env(), capture_output=True, text=True, timeout=300)
+    assert pa.returncode == 0, pa.stdout[-3000:] + pa.stderr[-3000:]
+    assert pa.returncode == 0 and "throughput:" in pa.stdout, pa.stdout[-3000:]  # perf_analyzer exits non-zero on any failed request
