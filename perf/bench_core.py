@@ -403,7 +403,7 @@ def plot(data: dict, path: Path) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        bu.log("matplotlib not installed: tables only (pip install -r perf/requirements.txt for the plot)")
+        bu.log("matplotlib not installed: tables only (it is in requirements.txt; run scripts/setup.sh)")
         return False
     fig, (ax_mem, ax_speed) = plt.subplots(1, 2, figsize=(12, 4.5))
     if "memory" in data:

@@ -59,13 +59,16 @@ def test_prediction_grows_with_length_and_chunk():
 
 
 def test_inplace_attention_lowers_the_peak_and_is_predicted():
-    import subprocess as sp
-
-    cmd = [sys.executable, "-m", "prefillonly.memory_probe", "--tokens", "16384", "--chunk-size", "512", "--dtype", "bfloat16",
-           "--random-config", json.dumps(CONFIG), "--threads", "2", "--inplace-attention"]
-    out = sp.run(cmd, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    inplace = json.loads(out.stdout.strip().splitlines()[-1])
-    normal = probe(16384, 512, "bfloat16")
-    assert inplace["measured_bytes"] < normal["measured_bytes"] - 16384 * 256 * 2 // 2  # at least half an [S, q_width] saved
-    assert abs(inplace["predicted_bytes"] / inplace["measured_bytes"] - 1) <= 0.15
+    """Writing attention over Q saves about one [S, q_width] tensor. A wide q (8 heads x 64) makes
+    that saving (16 MiB at 16K tokens) well above this host's run-to-run RSS noise (a few MiB)."""
+    wide = dict(CONFIG, num_attention_heads=8, head_dim=64)
+    runs = {}
+    for flag in ([], ["--inplace-attention"]):
+        cmd = [sys.executable, "-m", "prefillonly.memory_probe", "--tokens", "16384", "--chunk-size", "512", "--dtype",
+               "bfloat16", "--random-config", json.dumps(wide), "--threads", "2", *flag]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs[bool(flag)] = json.loads(out.stdout.strip().splitlines()[-1])
+    q_bytes = 16384 * 8 * 64 * 2
+    assert runs[True]["measured_bytes"] < runs[False]["measured_bytes"] - q_bytes // 2
+    assert abs(runs[True]["predicted_bytes"] / runs[True]["measured_bytes"] - 1) <= 0.15

@@ -25,6 +25,7 @@ PROMPT = "Is the sky blue on a clear day? Answer:"
 def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
     shutil.copytree(REPO / "prefillonly", repo / "prefillonly")
+    shutil.copytree(REPO / "prefillonly_sync", repo / "prefillonly_sync")
     config = repo / "prefillonly" / "config.pbtxt"
     # fp32 so that the server's numbers equal an in-process Engine's exactly
     config.write_text(config.read_text().replace('string_value: "bfloat16"', 'string_value: "float32"')
@@ -134,3 +135,23 @@ def test_perf_analyzer_streaming_load_has_no_errors(server, tmp_path):
                          "--max-trials", "3"], env=perf_analyzer_env(), capture_output=True, text=True, timeout=300)
     assert pa.returncode == 0, pa.stdout[-3000:] + pa.stderr[-3000:]
     assert pa.returncode == 0 and "throughput:" in pa.stdout, pa.stdout[-3000:]  # perf_analyzer exits non-zero on any failed request
+
+
+def test_plain_http_infer_and_grpc_unary_through_the_forwarder(server, engine):
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    want = engine.score(PROMPT, [" Yes", " No"])
+    for module, url in ((httpclient, server.http_url.replace("http://", "")), (grpcclient, server.grpc_url)):
+        client = module.InferenceServerClient(url)
+        text = module.InferInput("text_input", [1], "BYTES")
+        text.set_data_from_numpy(np.array([PROMPT.encode()], dtype=np.object_))
+        allowed = module.InferInput("allowed_tokens", [2], "BYTES")
+        allowed.set_data_from_numpy(np.array([b" Yes", b" No"], dtype=np.object_))
+        result = client.infer("prefillonly_sync", [text, allowed])
+        assert result.as_numpy("allowed_logprobs").tolist() == pytest.approx([t.logprob for t in want.tokens], abs=1e-4)
+        bad = module.InferInput("text_input", [1], "BYTES")
+        bad.set_data_from_numpy(np.array([PROMPT.encode()], dtype=np.object_))
+        with pytest.raises(Exception, match="missing allowed tokens"):
+            client.infer("prefillonly_sync", [bad])
+        client.close()
