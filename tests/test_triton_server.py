@@ -155,3 +155,29 @@ def test_plain_http_infer_and_grpc_unary_through_the_forwarder(server, engine):
         with pytest.raises(Exception, match="missing allowed tokens"):
             client.infer("prefillonly_sync", [bad])
         client.close()
+
+
+def test_metrics_endpoint_exports_engine_metrics_that_move(server):
+    def scrape():
+        with urllib.request.urlopen(server.metrics_url, timeout=30) as r:
+            text = r.read().decode()
+        values = {}
+        for line in text.splitlines():
+            if line.startswith(("prefillonly_", "nv_inference_request_success")):
+                key, _, value = line.rpartition(" ")
+                values[key] = float(value)
+        return values
+
+    before = scrape()
+    for _ in range(3):
+        assert generate(server, {"text_input": PROMPT + " Really?", "allowed_tokens": [" Yes", " No"]})[0] == 200
+    generate(server, {"text_input": PROMPT})  # a rejected request
+    after = scrape()
+    completed = 'prefillonly_requests_total{outcome="completed"}'
+    assert after[completed] >= before.get(completed, 0) + 3
+    tokens = [k for k in after if k.startswith("prefillonly_prompt_tokens_total")]
+    assert tokens and sum(after[k] for k in tokens) > sum(before.get(k, 0) for k in tokens)
+    for name in ("prefillonly_waiting_requests", "prefillonly_cache_bytes", "prefillonly_jct_estimate_error"):
+        assert any(k.startswith(name) for k in after), name
+    success = [k for k in after if k.startswith("nv_inference_request_success") and 'model="prefillonly"' in k]
+    assert success and after[success[0]] >= 3  # Triton's own metrics stay right

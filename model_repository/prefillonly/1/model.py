@@ -13,6 +13,7 @@ from concurrent.futures import CancelledError
 import triton_python_backend_utils as pb_utils
 
 from prefillonly import Engine, EngineConfig, PrefillOnlyError
+from prefillonly.serving.metrics import EngineMetrics
 from prefillonly.serving.protocol import INPUTS, parse_request, results_to_outputs
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -25,6 +26,8 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         settings = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
         self.engine = Engine(EngineConfig.from_strings(settings))
+        self.metrics = EngineMetrics(pb_utils)
+        self.metrics.update(self.engine.stats())
         pb_utils.Logger.log_info(f"prefillonly: engine ready ({self.engine.model_path})")
 
     def execute(self, requests):
@@ -43,9 +46,14 @@ class TritonPythonModel:
                 futures = self._submit(call)
             except Exception as e:  # bad input: answer now, keep serving
                 _send_error(sender, e, request.request_id())
+                self.metrics.update(self.engine.stats())
                 continue
-            _when_all_done(futures, lambda results, error, s=sender, rid=request.request_id(): _send(s, results, error, rid))
+            _when_all_done(futures, lambda results, error, s=sender, rid=request.request_id(): self._done(s, results, error, rid))
         return None
+
+    def _done(self, sender, results, error, request_id):
+        _send(sender, results, error, request_id)
+        self.metrics.update(self.engine.stats())
 
     def _submit(self, call):
         if call.items is not None:

@@ -1,0 +1,73 @@
+"""What the Triton model exports on Triton's Prometheus endpoint (:8002/metrics), from
+Engine.stats(). Kept apart from model.py so the mapping is one table; `update` takes the
+pb_utils module so nothing here imports Triton.
+
+Counters are published as deltas of the engine's cumulative counts (Triton counters only go up).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+# (name, kind, description, labels -> function of stats returning the value)
+_METRICS = [
+    ("prefillonly_waiting_requests", "GAUGE", "Requests waiting in the engine's queue", {(): lambda s: s["waiting"]}),
+    ("prefillonly_requests_total", "COUNTER", "Requests by outcome", {
+        (("outcome", "completed"),): lambda s: s.get("completed", 0),
+        (("outcome", "failed"),): lambda s: sum(v for k, v in s.items() if k.startswith("failed:")),
+        (("outcome", "overloaded"),): lambda s: s.get("rejected:overloaded", 0),
+        (("outcome", "deadline_exceeded"),): lambda s: s.get("rejected:deadline_exceeded", 0),
+        (("outcome", "cancelled"),): lambda s: s.get("cancelled", 0),
+    }),
+    ("prefillonly_prompt_tokens_total", "COUNTER", "Prompt tokens computed vs served from the prefix cache", {
+        (("source", "computed"),): lambda s: s.get("cache", {}).get("miss_tokens", s["tokens_computed"]),
+        (("source", "cache"),): lambda s: s.get("cache", {}).get("hit_tokens", 0),
+    }),
+    ("prefillonly_cache_bytes", "GAUGE", "Prefix-cache bytes in use per tier", {
+        (("tier", "1"),): lambda s: s.get("cache_bytes_in_use", {}).get(1, 0),
+        (("tier", "2"),): lambda s: s.get("cache_bytes_in_use", {}).get(2, 0),
+    }),
+    ("prefillonly_cache_blocks_total", "COUNTER", "Prefix-cache block events", {
+        (("event", "evicted"),): lambda s: s.get("cache", {}).get("blocks_evicted", 0),
+        (("event", "offloaded"),): lambda s: s.get("cache", {}).get("blocks_offloaded", 0),
+        (("event", "restored"),): lambda s: s.get("cache", {}).get("blocks_restored", 0),
+    }),
+    ("prefillonly_jct_estimate_error", "GAUGE", "Mean absolute relative error of the JCT estimate", {
+        (): lambda s: s.get("jct_mean_abs_rel_error") or 0.0,
+    }),
+    ("prefillonly_tokens_per_second", "GAUGE", "Prompt tokens computed per second since the last update", {}),
+]
+
+
+class EngineMetrics:
+    def __init__(self, pb_utils):
+        self._lock = threading.Lock()
+        self._metrics = {}  # (name, labels) -> (metric, kind, value_of)
+        self._families = []  # kept alive: a collected family takes its metrics off the endpoint
+        self._last = {}
+        for name, kind, description, series in _METRICS:
+            family = pb_utils.MetricFamily(name=name, description=description, kind=getattr(pb_utils.MetricFamily, kind))
+            self._families.append(family)
+            for labels, value_of in (series or {(): None}).items():
+                self._metrics[(name, labels)] = (family.Metric(labels=dict(labels)), kind, value_of)
+        self._rate_at = (time.monotonic(), 0)
+
+    def update(self, stats: dict) -> None:
+        with self._lock:
+            for key, (metric, kind, value_of) in self._metrics.items():
+                if value_of is None:
+                    continue
+                value = float(value_of(stats))
+                if kind == "COUNTER":
+                    delta = value - self._last.get(key, 0.0)
+                    if delta > 0:
+                        metric.increment(delta)
+                    self._last[key] = value
+                else:
+                    metric.set(value)
+            now, computed = time.monotonic(), stats["tokens_computed"]
+            then, before = self._rate_at
+            if now - then >= 1.0:
+                self._metrics[("prefillonly_tokens_per_second", ())][0].set((computed - before) / (now - then))
+                self._rate_at = (now, computed)
