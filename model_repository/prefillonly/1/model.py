@@ -25,6 +25,8 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         settings = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+        if args.get("model_instance_kind") == "GPU":  # KIND_GPU: one engine per device Triton assigns
+            settings["device"] = f"cuda:{args['model_instance_device_id']}"
         self.engine = Engine(EngineConfig.from_strings(settings))
         self.metrics = EngineMetrics(pb_utils)
         self.metrics.update(self.engine.stats())
