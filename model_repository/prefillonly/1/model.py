@@ -98,8 +98,8 @@ def _send(sender, results, error, request_id):
 
 
 def _send_error(sender, error, request_id):
-    code = getattr(error, "code", None)
-    message = f"{code or type(error).__name__}: {error}"
+    code = getattr(error, "code", None) or type(error).__name__
+    message = str(error) if str(error).startswith(code) else f"{code}: {error}"
     pb_utils.Logger.log_warn(f"prefillonly: request {request_id!r} failed: {message}")
     kind = _STATUS.get(code, "INVALID_ARG") if isinstance(error, PrefillOnlyError) else "INTERNAL"
     status = getattr(pb_utils.TritonError, kind, None)

@@ -24,8 +24,11 @@ class TritonPythonModel:
             responses = pb_utils.InferenceRequest(model_name=self.target, inputs=inputs, requested_output_names=self.outputs,
                                                   timeout=request.timeout()).exec(decoupled=True)
             for response in responses:
-                if response.has_error():
-                    return pb_utils.InferenceResponse(error=pb_utils.TritonError(response.error().message()))
+                if response.has_error():  # keep the target's status (UNAVAILABLE for overload, ...)
+                    err = response.error()
+                    code = err.code() if hasattr(err, "code") else None
+                    return pb_utils.InferenceResponse(error=pb_utils.TritonError(err.message(), code) if code is not None
+                                                      else pb_utils.TritonError(err.message()))
                 if response.output_tensors():
                     return pb_utils.InferenceResponse(output_tensors=response.output_tensors())
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{self.target} sent no result"))
