@@ -181,3 +181,25 @@ def test_metrics_endpoint_exports_engine_metrics_that_move(server):
         assert any(k.startswith(name) for k in after), name
     success = [k for k in after if k.startswith("nv_inference_request_success") and 'model="prefillonly"' in k]
     assert success and after[success[0]] >= 3  # Triton's own metrics stay right
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_client_library(server, engine, protocol):
+    import sys
+
+    sys.path.insert(0, str(REPO.parent / "clients"))
+    from prefillonly_client import PrefillOnlyClient, PrefillOnlyClientError
+
+    url = server.http_url if protocol == "http" else server.grpc_url
+    with PrefillOnlyClient(url, protocol) as c:
+        r = c.score(PROMPT, [" Yes", 2838])
+        want = engine.score(PROMPT, [" Yes", 2838])
+        assert [t["logprob"] for t in r["tokens"]] == pytest.approx([t.logprob for t in want.tokens], abs=1e-4)
+        ids = engine.encoder.tokenizer.encode(PROMPT)
+        assert c.score(ids, [9230])["prompt_tokens"] == len(ids)
+        assert len(c.score_many([PROMPT, "Is ice hot? Answer:"], [" Yes", " No"])) == 2
+        items = c.score_items("User likes hiking.", ["Alpine trails", "Stock news"], [" Yes", " No"],
+                              item_template="\nPost: {item}\nClick? Answer:")
+        assert len(items) == 2 and all(abs(sum(t["prob"] for t in i["tokens"]) - 1) < 1e-5 for i in items)
+        with pytest.raises(PrefillOnlyClientError, match="encodes to 2 tokens"):
+            c.score(PROMPT, ["Yes please"])
