@@ -178,10 +178,6 @@ class Engine:
         return predict_peak_bytes(self.spec, new_tokens, self.config.chunk_size, self.dtype, prefix_tokens,
                                   inplace_attention=inplace_attention)
 
-    def cached_prefix_tokens(self, prompt_ids, cache_namespace: str | None = None) -> int:
-        """Leading tokens of `prompt_ids` cached now (what a request would not recompute)."""
-        return self.cache.cached_tokens(list(prompt_ids), cache_namespace) if self.cache else 0
-
     def close(self, timeout: float | None = None) -> None:
         """Stop taking work; fail every waiting request with EngineClosedError; let the running
         one finish; stop the worker. Idempotent."""
@@ -256,9 +252,7 @@ class Engine:
             fut.set_exception(error)
 
     def _scheduler_cached_tokens(self, req: WaitingRequest) -> int:
-        if self.cache is None:
-            return 0
-        return self.cache.index.match_length(req.block_hashes) * self.cache.block_size
+        return self.cache.cached_tokens(req.block_hashes) if self.cache else 0
 
     def _time_per_token(self, n: int = 256) -> float:
         """Seed of the JCT estimate: one cold forward's seconds per token (the fit takes over
@@ -274,10 +268,7 @@ class Engine:
             inplace = self._memory_plan(len(ids) - p, p)
             t0 = time.perf_counter()
             self._meter.start()
-            out = self.executor.forward(
-                torch.tensor(ids[p:], dtype=torch.long), self.config.chunk_size,
-                prefix=ticket.source if ticket else None, sink=ticket.sink if ticket else None, inplace_attention=inplace,
-            )
+            out = self._forward_uncached(ids, ticket, inplace_attention=inplace)
             peak = self._meter.peak_growth()
             self.jct.observe(len(ids) - p, p, time.perf_counter() - t0)
         return build_result(out.logits, allowed_ids, top_k, self.encoder.token_text, len(ids), p, peak)
@@ -287,13 +278,11 @@ class Engine:
         with self._cached_prefix(shared, namespace, keep) as ticket:
             p = ticket.cached_tokens if ticket else 0
             inplace_shared = self._memory_plan(len(shared) - p, p, captured=len(shared))
-            inplace_items = self._memory_plan(max(len(x) for x in item_ids), len(shared), held=len(shared))
+            # the items run while the shared K/V is held: count it like a capture of that size
+            inplace_items = self._memory_plan(max(len(x) for x in item_ids), len(shared), captured=len(shared))
             # the shared prompt's K/V for every layer, held for this request only
-            shared_kv: PrefixKV = self.executor.forward(
-                torch.tensor(shared[p:], dtype=torch.long), self.config.chunk_size,
-                prefix=ticket.source if ticket else None, sink=ticket.sink if ticket else None,
-                capture=(0, len(shared)), inplace_attention=inplace_shared,
-            ).captured
+            shared_kv: PrefixKV = self._forward_uncached(shared, ticket, capture=(0, len(shared)),
+                                                         inplace_attention=inplace_shared).captured
             for ids in item_ids:
                 self._meter.start()
                 out = self.executor.forward(torch.tensor(ids, dtype=torch.long), self.config.chunk_size, prefix=shared_kv,
@@ -302,6 +291,14 @@ class Engine:
                 results.append(build_result(out.logits, allowed_ids, top_k, self.encoder.token_text,
                                             len(shared) + len(ids), p, peak))
         return results
+
+    def _forward_uncached(self, ids, ticket, **kwargs):
+        """The forward over the tokens the cache did not hold, fed the cached prefix and keeping
+        the ticket's blocks."""
+        p = ticket.cached_tokens if ticket else 0
+        return self.executor.forward(torch.tensor(ids[p:], dtype=torch.long), self.config.chunk_size,
+                                     prefix=ticket.source if ticket else None, sink=ticket.sink if ticket else None,
+                                     **kwargs)
 
     # -- prefix cache -------------------------------------------------------------------------
     def _make_cache(self, budget_bytes: int) -> PrefixCache | None:
@@ -333,16 +330,14 @@ class Engine:
         if n > self.max_input_len:
             raise PromptTooLongError(f"prompt has {n} tokens, over the max input length {self.max_input_len}")
 
-    def _memory_plan(self, new_tokens: int, prefix_tokens: int, captured: int = 0, held: int = 0) -> bool:
+    def _memory_plan(self, new_tokens: int, prefix_tokens: int, captured: int = 0) -> bool:
         """Admit a forward against the activation budget. Returns whether it must write
         attention in place (CPU: slower, no second [S, q_width] tensor) to fit; raises
         OverBudgetError if it fits neither way."""
-        e = torch.tensor([], dtype=self.dtype).element_size()
-        held_bytes = held * 2 * self.spec.kv_width * self.spec.num_layers * e
 
         def need(inplace: bool) -> int:
-            return held_bytes + predict_peak_bytes(self.spec, new_tokens, self.config.chunk_size, self.dtype, prefix_tokens,
-                                                   captured, inplace_attention=inplace)
+            return predict_peak_bytes(self.spec, new_tokens, self.config.chunk_size, self.dtype, prefix_tokens,
+                                      captured, inplace_attention=inplace)
 
         if need(False) <= self.activation_budget_bytes:
             return False

@@ -11,6 +11,7 @@ import torch
 
 from .kernels.attention import INPLACE_QUERY_BLOCK
 from .model_spec import ModelSpec
+from .workspace import plan_workspace
 
 # torch SDPA's output and internal buffers, per query element ([S, q_width]), and its
 # per-thread fixed blocks. Measured on CPU (memory_probe: growth minus the workspace) at
@@ -24,8 +25,6 @@ _ATTENTION_FIXED_BYTES = 2 << 20
 # shrink with the block (per-thread flash buffers of two calls, allocator slack).
 _INPLACE_BYTES_PER_QUERY_ELEMENT = 48
 _INPLACE_FIXED_BYTES = 8 << 20
-
-from .workspace import plan_workspace
 
 
 def predict_peak_bytes(

@@ -45,19 +45,6 @@ class ModelWeights:
     final_norm: torch.Tensor  # [d]
     lm_head: torch.Tensor  # [vocab, d]; the same tensor as embed when tied
 
-    def nbytes(self) -> int:
-        seen, total = set(), 0
-        for t in self._tensors():
-            if t is not None and t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-        return total
-
-    def _tensors(self):
-        yield from (self.embed, self.final_norm, self.lm_head)
-        for layer in self.layers:
-            yield from vars(layer).values()
-
     @classmethod
     def load(cls, folder: str, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> "ModelWeights":
         reader = _SafetensorsFolder(folder)

@@ -3,15 +3,13 @@ every request that was in flight (success or a clear error), none is left hangin
 
 from __future__ import annotations
 
-import json
 import shutil
 import signal
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
-from prefillonly.serving.testing import running_server
+from prefillonly.serving.testing import post_json, running_server
 
 REPO = Path(__file__).resolve().parents[1] / "model_repository"
 LONG = "word " * 3000  # a few seconds of work on 2 cores in fp32
@@ -31,14 +29,10 @@ def repo_with(tmp_path, **settings) -> Path:
 
 
 def post(url, body, timeout=120):
-    req = urllib.request.Request(f"{url}/v2/models/prefillonly/generate", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    """HTTP generate on the prefillonly model: (status, body, seconds it took)."""
     t0 = time.perf_counter()
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read()), time.perf_counter() - t0
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}"), time.perf_counter() - t0
+    status, reply = post_json(f"{url}/v2/models/prefillonly/generate", body, timeout)
+    return status, reply, time.perf_counter() - t0
 
 
 def in_background(fn, *args):
@@ -52,13 +46,7 @@ def infer_sync(url, text):
     """Plain HTTP /infer through the non-decoupled forwarder: (status, body)."""
     body = {"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": [text]},
                        {"name": "allowed_tokens", "shape": [1], "datatype": "BYTES", "data": [" Yes"]}]}
-    req = urllib.request.Request(f"{url}/v2/models/prefillonly_sync/infer", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+    return post_json(f"{url}/v2/models/prefillonly_sync/infer", body, 60)
 
 
 def test_overload_is_answered_at_once_and_the_server_recovers(tmp_path):

@@ -7,15 +7,13 @@ from __future__ import annotations
 import json
 import queue
 import shutil
-import threading
 import urllib.request
-from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from prefillonly.serving.testing import running_server
+from prefillonly.serving.testing import post_json, running_server
 
 REPO = Path(__file__).resolve().parents[1] / "model_repository"
 PROMPT = "Is the sky blue on a clear day? Answer:"
@@ -43,13 +41,7 @@ def engine():
 
 
 def generate(server, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(f"{server.http_url}/v2/models/prefillonly/generate", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+    return post_json(f"{server.http_url}/v2/models/prefillonly/generate", body)
 
 
 def test_http_generate_equals_engine_score(server, engine):

@@ -22,9 +22,6 @@ class KVPool:
     def bytes_per_block(num_layers: int, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * kv_heads * block_size * head_dim * torch.tensor([], dtype=dtype).element_size()
 
-    def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
-
     def read(self, layer: int, slots: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor) -> None:
         """k_dst, v_dst: [kv_heads, n, head_dim] with n <= len(slots) * block_size."""
         n = k_dst.shape[1]

@@ -14,7 +14,7 @@ still yields logits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -30,8 +30,6 @@ class CacheTicket:
     new: list[Block]  # reserved blocks the forward will fill, right after the matched ones
     source: object = None
     sink: object = None
-    restored_blocks: int = 0
-    extra: list[Block] = field(default_factory=list)
 
 
 class _PoolSource:
@@ -80,14 +78,13 @@ class PrefixCache:
     def capacity_bytes(self) -> dict[int, int]:
         return {t: self.index.capacity[t] * self.block_bytes for t in self.pools}
 
-    def hashes(self, ids, namespace: str | None, max_tokens: int | None = None) -> list[bytes]:
-        n = len(ids) if max_tokens is None else min(len(ids), max_tokens)
-        return block_hashes(ids, self.block_size, namespace_root(self.model_id, namespace), max_blocks=n // self.block_size)
+    def hashes(self, ids, namespace: str | None) -> list[bytes]:
+        """The prompt's block keys (hashed once per request; the scheduler reuses them)."""
+        return block_hashes(ids, self.block_size, namespace_root(self.model_id, namespace))
 
-    def cached_tokens(self, ids, namespace: str | None = None) -> int:
-        """How many leading tokens of `ids` are cached right now (for the scheduler); no pinning."""
-        matched = self.index.match_length(self.hashes(ids, namespace))
-        return min(matched * self.block_size, max(0, len(ids) - 1))
+    def cached_tokens(self, hashes: list[bytes]) -> int:
+        """Leading tokens cached right now, for a prompt's block keys (no pinning)."""
+        return self.index.match_length(hashes) * self.block_size
 
     def begin(self, ids, namespace: str | None, keep_len: int) -> CacheTicket:
         """Match and pin the cached prefix, reserve slots for the new blocks to keep."""
@@ -97,27 +94,27 @@ class PrefixCache:
         matched = self.index.match(hashes)
         self.index.pin(matched)
         restored = self._restore_to_tier1(matched)
-        if restored is None:  # tier 1 too small to hold the matched chain: use what is in tier 1
+        if not restored:  # tier 1 too small to hold the matched chain: use what is in tier 1
             first_off = next((i for i, blk in enumerate(matched) if blk.tier != 1), len(matched))
             self.index.unpin(matched[first_off:])
             matched = matched[:first_off]
-            restored = 0
         cached = min(len(matched) * b, len(ids) - 1)
         new: list[Block] = []
         if cached == len(matched) * b:  # else everything is cached already
             parent = matched[-1].hash if matched else None
-            for h in hashes[len(matched) : keep_len // b]:
+            wanted = hashes[len(matched) : keep_len // b]
+            for h in wanted:
                 blk, moves = self.index.reserve(h, parent)
                 self._execute(moves)
                 if blk is None:
-                    stats.overflow_blocks += len(hashes[len(matched) : keep_len // b]) - len(new)
+                    stats.overflow_blocks += len(wanted) - len(new)
                     break
                 new.append(blk)
                 parent = h
         stats.lookups += 1
         stats.hit_tokens += cached
         stats.miss_tokens += len(ids) - cached
-        ticket = CacheTicket(cached_tokens=cached, matched=matched, new=new, restored_blocks=restored)
+        ticket = CacheTicket(cached_tokens=cached, matched=matched, new=new)
         if cached:
             ticket.source = _PoolSource(self.pools[1], self._slots(matched), cached)
         if new:
@@ -136,17 +133,16 @@ class PrefixCache:
     def _slots(self, blocks: list[Block]) -> torch.Tensor:
         return torch.tensor([blk.slot for blk in blocks], dtype=torch.long, device=self.device)
 
-    def _restore_to_tier1(self, matched: list[Block]) -> int | None:
-        count = 0
+    def _restore_to_tier1(self, matched: list[Block]) -> bool:
+        """Bring the matched blocks that sit in tier 2 back; False if tier 1 has no room."""
         for blk in matched:
             if blk.tier == 1:
                 continue
             moves = self.index.restore(blk)
             if moves is None:
-                return None
+                return False
             self._execute(moves)
-            count += 1
-        return count
+        return True
 
     def _execute(self, moves: list[Move]) -> None:
         for m in moves:

@@ -35,9 +35,6 @@ class PrefixKV:
     def length(self) -> int:
         return self.keys[0].shape[1] if self.keys else 0
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
-
     def load(self, layer: int, k_dst: torch.Tensor, v_dst: torch.Tensor) -> None:
         k_dst.copy_(self.keys[layer][:, : k_dst.shape[1]])
         v_dst.copy_(self.values[layer][:, : v_dst.shape[1]])

@@ -11,8 +11,11 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import textwrap
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Iterator
 
@@ -33,6 +36,16 @@ def running_server(model_repository: str | os.PathLike, *, ready_timeout: float 
         yield server
     finally:
         server.stop(stop_timeout)
+
+
+def post_json(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
+    """POST a JSON body (Triton's /generate or /infer); (HTTP status, decoded JSON reply), errors included."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
 
 
 ECHO_CONFIG = """\
