@@ -238,12 +238,16 @@ class Engine:
                 self._fail(r, DeadlineExceededError("deadline passed while the request waited; it was not run"))
             if req is None or not req.payload.future.set_running_or_notify_cancel():
                 continue  # nothing left, or cancelled between pick and start
+            # Counters move before the Future resolves: its callbacks answer the caller, who may
+            # read stats() (or the metrics endpoint) the moment the answer arrives.
             try:
-                req.payload.future.set_result(req.payload.run())
-                self.counters["completed"] += 1
+                result = req.payload.run()
             except BaseException as e:  # every request gets exactly one answer
                 self.counters[f"failed:{getattr(e, 'code', type(e).__name__)}"] += 1
                 req.payload.future.set_exception(e)
+            else:
+                self.counters["completed"] += 1
+                req.payload.future.set_result(result)
 
     def _fail(self, req: WaitingRequest, error: PrefillOnlyError) -> None:
         fut = req.payload.future

@@ -47,15 +47,15 @@ class TritonPythonModel:
                     call.options["deadline_s"] = timeout_us / 1e6
                 futures = self._submit(call)
             except Exception as e:  # bad input: answer now, keep serving
-                _send_error(sender, e, request.request_id())
                 self.metrics.update(self.engine.stats())
+                _send_error(sender, e, request.request_id())
                 continue
             _when_all_done(futures, lambda results, error, s=sender, rid=request.request_id(): self._done(s, results, error, rid))
         return None
 
     def _done(self, sender, results, error, request_id):
+        self.metrics.update(self.engine.stats())  # before answering: a client may scrape next
         _send(sender, results, error, request_id)
-        self.metrics.update(self.engine.stats())
 
     def _submit(self, call):
         if call.items is not None:
