@@ -562,3 +562,20 @@ def perf_analyzer_env(base: Mapping[str, str] | None = None, cache_dir: str | os
     lib = perf_analyzer_path(cache_dir).parent.parent / "lib"
     env["LD_LIBRARY_PATH"] = os.pathsep.join([str(lib)] + [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p])
     return env
+
+
+def run_perf_analyzer(args: Iterable[str], *, timeout: float | None = None,
+                      cache_dir: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+    """Run perf_analyzer_path() with `args` in perf_analyzer_env(); stdout and stderr captured as
+    text. perf_analyzer exits non-zero when any request failed (or no measurement was made)."""
+    return subprocess.run([str(perf_analyzer_path(cache_dir)), *map(str, args)], env=perf_analyzer_env(cache_dir=cache_dir),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def read_perf_analyzer_csv(path: str | os.PathLike) -> list[dict[str, str]]:
+    """The rows of a perf_analyzer `-f FILE` CSV (one per load level) as {column: value}: the first
+    column is "Concurrency" or "Request Rate", latencies are in microseconds."""
+    import csv
+
+    with open(path, newline="") as f:
+        return [row for row in csv.DictReader(f) if any(v.strip() for v in row.values() if v)]
