@@ -234,6 +234,110 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
+# == main-venv side: vLLM's OpenAI-compatible server ==========================================
+SERVED_MODEL_NAME = "smollm2"
+
+
+def vllm_server_command(model_dir: str, port: int, host: str = "127.0.0.1", prefix_caching: bool = True,
+                        max_model_len: int | None = None) -> list[str]:
+    """`python -m vllm.entrypoints.openai.api_server` in the vLLM venv, per DESIGN.md §7's CPU recipe
+    (bf16, eager), prefix caching on, and per-request cached-token counts in `usage`."""
+    cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+           "--served-model-name", SERVED_MODEL_NAME, "--host", host, "--port", str(port), "--dtype", "bfloat16",
+           "--enforce-eager", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
+           "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+    if max_model_len:
+        cmd += ["--max-model-len", str(max_model_len)]
+    return cmd
+
+
+class VllmServer:
+    """vLLM's OpenAI-compatible server in its own process group (its EngineCore child goes with it).
+
+        with VllmServer(kv_space_gib=4).start(log_path) as server:
+            server.wait_ready(300); ... server.base_url, server.metrics_url ...
+    """
+
+    def __init__(self, kv_space_gib: int = 4, threads: int = 2, model_dir: str | None = None, prefix_caching: bool = True,
+                 max_model_len: int | None = None, host: str = "127.0.0.1", port: int | None = None):
+        self.kv_space_gib, self.threads, self.model_dir = kv_space_gib, threads, model_dir
+        self.prefix_caching, self.max_model_len, self.host, self.port = prefix_caching, max_model_len, host, port
+        self.process: subprocess.Popen | None = None
+        self.log_path: Path | None = None
+        self.command: list[str] = []
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"{self.base_url}/metrics"
+
+    def start(self, log_path) -> "VllmServer":
+        if not VLLM_PYTHON.is_file():
+            raise VllmRunError(f"{VLLM_PYTHON} is missing: run `.venv/bin/python perf/vllm_runner.py ensure-venv` first")
+        if self.port is None:
+            import socket
+
+            with socket.socket() as s:
+                s.bind((self.host, 0))
+                self.port = s.getsockname()[1]
+        self.command = vllm_server_command(self.model_dir or default_model_dir(), self.port, self.host,
+                                           self.prefix_caching, self.max_model_len)
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        bu.log(f"vLLM server: {' '.join(self.command)} (log {self.log_path})")
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(self.command, env=vllm_env(self.threads, self.kv_space_gib), cwd=bu.REPO_ROOT,
+                                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = 300) -> "VllmServer":
+        """Poll /health until 200; VllmRunError with the log tail if the server exits or times out."""
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.process.poll() is not None:
+                raise VllmRunError(f"vLLM server exited with status {self.process.returncode}; log tail:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise VllmRunError(f"vLLM server not ready after {timeout_s:.0f} s; log tail:\n{self.log_tail()}")
+            time.sleep(1)
+
+    def log_tail(self, lines: int = 30) -> str:
+        if self.log_path is None or not self.log_path.is_file():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout_s: float = 30) -> None:
+        """SIGTERM the process group, SIGKILL it if it has not exited after timeout_s."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(self.process)
+            self.process.wait(10)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> "VllmServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 # == vLLM-venv side: the measurements ========================================================
 def inner_run(args: argparse.Namespace) -> dict:
     """Offline throughput: the whole trace in one llm.generate call, wall time to the last answer."""
