@@ -202,7 +202,7 @@ class Engine:
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
         deadline = _check_deadline(deadline_s)
         hashes = self.cache.hashes(ids, namespace) if self.cache else []
-        fut: Future = Future()
+        fut = RequestFuture()
         req = WaitingRequest(prompt_tokens=len(ids) + extra_tokens, block_hashes=hashes, priority=int(priority),
                              user=user, payload=_Job(fut, run))
         with self._cv:
@@ -238,6 +238,7 @@ class Engine:
                 self._fail(r, DeadlineExceededError("deadline passed while the request waited; it was not run"))
             if req is None or not req.payload.future.set_running_or_notify_cancel():
                 continue  # nothing left, or cancelled between pick and start
+            req.payload.future.started_at = time.monotonic()
             # Counters move before the Future resolves: its callbacks answer the caller, who may
             # read stats() (or the metrics endpoint) the moment the answer arrives.
             try:
@@ -387,6 +388,13 @@ class Engine:
                     raise InvalidRequestError(f"item_template {template!r} is not usable: {e}; use {{item}}") from None
             out.append(self.encoder.encode_prompt(item, what=f"item {i}", add_special_tokens=False))
         return out
+
+
+class RequestFuture(Future):
+    """The Future submit() returns. started_at: time.monotonic() when the worker started the
+    request (None while it waits), so that a server can report queue wait."""
+
+    started_at: float | None = None
 
 
 @dataclass
