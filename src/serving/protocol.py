@@ -27,11 +27,12 @@ Outputs, one element per result (prompts, or items of a multi-item call), in ord
 from __future__ import annotations
 
 import json
+from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, PrefillOnlyError
 from ..result import ScoreResult
 
 INPUTS = {
@@ -39,6 +40,27 @@ INPUTS = {
     "items": "BYTES", "item_template": "BYTES", "cache_prefix_len": "INT64", "top_k": "INT64", "priority": "INT64",
     "apply_chat_template": "BOOL", "user": "BYTES",
 }
+
+
+# Engine error codes that mean "not now": Triton status UNAVAILABLE (HTTP 503, gRPC UNAVAILABLE
+# where the front end keeps the status), so that clients back off and retry. The forwarder model
+# (model_repository/prefillonly_sync) keeps its own copy, checked equal by the tests.
+RETRY_LATER_CODES = ("overloaded", "engine_closed", "deadline_exceeded")
+
+
+def error_reply(error: BaseException) -> tuple[str, str]:
+    """(Triton status name, one-line message that starts with "<code>: ") for a failed request.
+    The code prefix is what clients (and the forwarder) can rely on: Triton does not carry the
+    status through every path (README "Errors")."""
+    if isinstance(error, PrefillOnlyError):
+        code, detail = error.code, str(error)
+        status = "UNAVAILABLE" if code in RETRY_LATER_CODES else "INVALID_ARG"
+    elif isinstance(error, CancelledError):
+        code, detail, status = "cancelled", "the client cancelled the request before it ran", "CANCELLED"
+    else:
+        code, detail, status = "internal", f"{type(error).__name__}: {error}", "INTERNAL"
+    detail = " ".join(detail.splitlines())  # one log line per event
+    return status, detail if detail.startswith(code) else f"{code}: {detail}"
 
 
 @dataclass
