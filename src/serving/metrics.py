@@ -2,7 +2,10 @@
 Engine.stats(). Kept apart from model.py so the mapping is one table; `update` takes the
 pb_utils module so nothing here imports Triton.
 
-Counters are published as deltas of the engine's cumulative counts (Triton counters only go up).
+Counters are published as deltas of the engine's cumulative counts (Triton counters only go up),
+counted from the stats the model passes at start (so the warm-up request is not a served one).
+Request latency is a histogram (pb_utils.MetricFamily.HISTOGRAM, Triton 2.51+) observed by the
+model as each request is answered.
 """
 
 from __future__ import annotations
@@ -37,21 +40,45 @@ _METRICS = [
         (): lambda s: s.get("jct_mean_abs_rel_error") or 0.0,
     }),
     ("prefillonly_tokens_per_second", "GAUGE", "Prompt tokens computed per second since the last update", {}),
+    ("prefillonly_warmup_seconds", "GAUGE", "Seconds the warm-up request took before the model reported ready", {}),
 ]
+
+_LATENCY = "prefillonly_request_latency_seconds"
+# queue: received -> the engine starts it; total: received -> answered (requests the engine took)
+_LATENCY_PHASES = ("queue", "total")
+_LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 
 
 class EngineMetrics:
-    def __init__(self, pb_utils):
+    def __init__(self, pb_utils, baseline: dict):
+        """baseline: Engine.stats() at start; counters count from there."""
         self._lock = threading.Lock()
         self._metrics = {}  # (name, labels) -> (metric, kind, value_of)
         self._families = []  # kept alive: a collected family takes its metrics off the endpoint
-        self._last = {}
         for name, kind, description, series in _METRICS:
-            family = pb_utils.MetricFamily(name=name, description=description, kind=getattr(pb_utils.MetricFamily, kind))
-            self._families.append(family)
+            family = self._family(pb_utils, name, kind, description)
             for labels, value_of in (series or {(): None}).items():
                 self._metrics[(name, labels)] = (family.Metric(labels=dict(labels)), kind, value_of)
-        self._rate_at = (time.monotonic(), 0)
+        latency = self._family(pb_utils, _LATENCY, "HISTOGRAM", "Request latency: queue wait and total")
+        self._latency = {p: latency.Metric(labels={"phase": p}, buckets=_LATENCY_BUCKETS) for p in _LATENCY_PHASES}
+        self._last = {key: float(value_of(baseline)) for key, (_, kind, value_of) in self._metrics.items()
+                      if kind == "COUNTER"}
+        self._rate_at = (time.monotonic(), baseline["tokens_computed"])
+        self.update(baseline)
+
+    def _family(self, pb_utils, name, kind, description):
+        family = pb_utils.MetricFamily(name=name, description=description, kind=getattr(pb_utils.MetricFamily, kind))
+        self._families.append(family)
+        return family
+
+    def set_warmup_seconds(self, seconds: float) -> None:
+        self._metrics[("prefillonly_warmup_seconds", ())][0].set(seconds)
+
+    def observe_latency(self, queue_s: list[float], total_s: float) -> None:
+        """One answered request: its engine calls' queue waits (one per prompt that started) and its total time."""
+        for wait in queue_s:
+            self._latency["queue"].observe(wait)
+        self._latency["total"].observe(total_s)
 
     def update(self, stats: dict) -> None:
         with self._lock:
