@@ -27,9 +27,13 @@ FAMILY_CONFIGS = {
 
 def make_hf_model(name: str, seed: int = 0):
     """A transformers model of FAMILY_CONFIGS[name] with every parameter randomised (norms too)."""
+    return make_random_model(*FAMILY_CONFIGS[name], seed=seed)
+
+
+def make_random_model(cls_name: str, kwargs: dict, seed: int = 0):
+    """A transformers model of config class `cls_name`(**kwargs), every parameter randomised."""
     import transformers
 
-    cls_name, kwargs = FAMILY_CONFIGS[name]
     config = getattr(transformers, cls_name)(**kwargs)
     config.architectures = [cls_name.replace("Config", "ForCausalLM")]
     torch.manual_seed(seed)
@@ -70,3 +74,25 @@ def default_engine():
 
     with Engine(EngineConfig(dtype="float32", threads=2)) as engine:
         yield engine
+
+
+# A small Llama with the default model's vocabulary (so its tokenizer fits) and context length:
+# the Triton server tests run on it (loads in well under a second; short prompts take
+# milliseconds, a full 8K-token one a few seconds on one thread, long enough to fill a queue).
+SERVING_CONFIG = ("LlamaConfig", dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=49152, max_position_embeddings=8192,
+                                      rms_norm_eps=1e-5, tie_word_embeddings=True))
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+@pytest.fixture(scope="session")
+def small_served_model(tmp_path_factory, default_model_path):
+    """Folder of a small random-weight Llama checkpoint with the default model's tokenizer."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("small_served_model")
+    make_random_model(*SERVING_CONFIG).save_pretrained(folder)
+    for name in _TOKENIZER_FILES:
+        if os.path.exists(os.path.join(default_model_path, name)):
+            shutil.copy(os.path.join(default_model_path, name), folder)
+    return str(folder)

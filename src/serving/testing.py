@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import shutil
 import textwrap
 import urllib.error
 import urllib.request
@@ -46,6 +48,36 @@ def post_json(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read() or b"{}")
+
+
+def copy_model_repository(source: str | os.PathLike, dest: str | os.PathLike, models=("prefillonly", "prefillonly_sync"),
+                          engine_model: str = "prefillonly", **parameters) -> Path:
+    """Copy `models` of the repository `source` into `dest`, setting string parameters of
+    `engine_model`'s config.pbtxt (e.g. model="/path/ckpt", dtype="float32", max_waiting="1");
+    returns `dest`. A parameter the config does not have is an error, not a silent no-op."""
+    dest = Path(dest)
+    for name in models:
+        shutil.copytree(Path(source) / name, dest / name)
+    config = dest / engine_model / "config.pbtxt"
+    text = config.read_text()
+    for key, value in parameters.items():
+        text, n = re.subn(rf'(key: "{re.escape(key)}" value: {{ string_value: )"[^"]*"', rf'\g<1>"{value}"', text)
+        if n != 1:
+            raise KeyError(f"{config} has no string parameter {key!r}")
+    config.write_text(text)
+    return dest
+
+
+def scrape_metrics(metrics_url: str, prefixes=("prefillonly_", "nv_inference_")) -> dict[str, float]:
+    """Triton's Prometheus endpoint as {'name{labels}': value} for the series starting with `prefixes`."""
+    with urllib.request.urlopen(metrics_url, timeout=30) as r:
+        text = r.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith(tuple(prefixes)):
+            key, _, value = line.rpartition(" ")
+            values[key] = float(value)
+    return values
 
 
 ECHO_CONFIG = """\
