@@ -1,31 +1,24 @@
-"""Server lifecycle with the real prefillonly model: overload is a fast 503, and SIGTERM answers
-every request that was in flight (success or a clear error), none is left hanging."""
+"""Server lifecycle with the prefillonly model on the small random-weight checkpoint: a full queue
+refuses at once with the best status each call style allows, a client that cancels a waiting
+request takes it out of the queue, and SIGTERM answers every request in flight."""
 
 from __future__ import annotations
 
-import shutil
+import queue
 import signal
 import threading
 import time
 from pathlib import Path
 
-from prefillonly.serving.testing import post_json, running_server
+import numpy as np
+import pytest
+
+from prefillonly.serving.testing import copy_model_repository, post_json, running_server, scrape_metrics
 
 REPO = Path(__file__).resolve().parents[1] / "model_repository"
-LONG = "word " * 3000  # a few seconds of work on 2 cores in fp32
-
-
-def repo_with(tmp_path, **settings) -> Path:
-    repo = tmp_path / "repo"
-    shutil.copytree(REPO / "prefillonly", repo / "prefillonly")
-    config = repo / "prefillonly" / "config.pbtxt"
-    text = config.read_text().replace('string_value: "bfloat16"', 'string_value: "float32"')
-    for key, value in settings.items():
-        start = text.index(f'key: "{key}"')
-        end = text.index("}", text.index("string_value", start)) + 1
-        text = text[:start] + f'key: "{key}" value: {{ string_value: "{value}" }}' + text[end:]
-    config.write_text(text)
-    return repo
+LONG = [5] * 8000  # token ids: a few seconds of work on one thread on the small model
+WAITING = 'prefillonly_waiting_requests'
+CANCELLED = 'prefillonly_requests_total{outcome="cancelled"}'
 
 
 def post(url, body, timeout=120):
@@ -42,37 +35,101 @@ def in_background(fn, *args):
     return t, out
 
 
-def infer_sync(url, text):
-    """Plain HTTP /infer through the non-decoupled forwarder: (status, body)."""
-    body = {"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": [text]},
-                       {"name": "allowed_tokens", "shape": [1], "datatype": "BYTES", "data": [" Yes"]}]}
-    return post_json(f"{url}/v2/models/prefillonly_sync/infer", body, 60)
+def wait_for_metric(server, key, value, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while (got := scrape_metrics(server.metrics_url).get(key)) != value and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert got == value, f"{key} is {got}, expected {value}"
 
 
-def test_overload_is_answered_at_once_and_the_server_recovers(tmp_path):
-    """Over max_waiting the engine refuses at once, with a message that says so. (The model sets
-    UNAVAILABLE, but Triton 2.51's HTTP front end reports a decoupled response's error as 400 on
-    generate and 500 through the forwarder, not 503: an open point of the serving issue.)"""
-    repo = repo_with(tmp_path, max_waiting="1", threads="1")
-    shutil.copytree(REPO / "prefillonly_sync", repo / "prefillonly_sync")
+def inputs(module, text="Hi"):
+    """text_input + allowed_tokens as tritonclient InferInputs of `module` (http or grpc)."""
+    prompt = module.InferInput("text_input", [1], "BYTES")
+    prompt.set_data_from_numpy(np.array([text.encode()], dtype=np.object_))
+    allowed = module.InferInput("allowed_tokens", [1], "BYTES")
+    allowed.set_data_from_numpy(np.array([b" Yes"], dtype=np.object_))
+    return [prompt, allowed]
+
+
+def stream_one(url, headers=None):
+    """One request over a fresh gRPC stream: the InferenceServerException it got (or None)."""
+    import tritonclient.grpc as grpcclient
+
+    answers = queue.Queue()
+    with grpcclient.InferenceServerClient(url) as client:
+        client.start_stream(callback=lambda result, error: answers.put(error), headers=headers)
+        client.async_stream_infer("prefillonly", inputs(grpcclient))
+        error = answers.get(timeout=30)
+        client.stop_stream()
+    return error
+
+
+def unary_error(module, url):
+    """The exception a plain (unary) infer through the forwarder raises."""
+    with module.InferenceServerClient(url) as client:
+        with pytest.raises(Exception) as info:
+            client.infer("prefillonly_sync", inputs(module))
+    return info.value
+
+
+def test_full_queue_refused_at_once_with_status_per_call_style_and_cancel_frees_it(tmp_path, small_served_model):
+    """max_waiting=1: one request runs, one waits (over a gRPC stream), the next is refused.
+    Status per call style (Triton 2.51, see README "Errors"): forwarder HTTP /infer 503 and gRPC
+    unary UNAVAILABLE; HTTP generate can only give 400 (Triton reads the status after freeing it)
+    and a gRPC stream only a message, or UNAVAILABLE closing the stream when the client asks with
+    the triton_grpc_error header. Every message starts with "overloaded". Then the waiting
+    request's stream is cancelled: it leaves the queue, and the server keeps serving."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    repo = copy_model_repository(REPO, tmp_path / "repo", model=small_served_model, dtype="float32",
+                                 threads="1", max_waiting="1")
     with running_server(repo, ready_timeout=180) as server:
-        busy, busy_out = in_background(post, server.http_url, {"text_input": LONG, "allowed_tokens": [" Yes"]})
-        time.sleep(0.5)  # the long request is running
-        waiting, waiting_out = in_background(post, server.http_url, {"text_input": LONG + "x", "allowed_tokens": [" Yes"]})
-        time.sleep(0.5)  # ... and one waits: the queue is full
+        busy, busy_out = in_background(post, server.http_url, {"input_ids": LONG, "allowed_token_ids": [1]})
+        time.sleep(1.0)  # the long request is running
+        waiter = grpcclient.InferenceServerClient(server.grpc_url)
+        waiter_answers = queue.Queue()
+        waiter.start_stream(callback=lambda result, error: waiter_answers.put((result, error)))
+        waiter.async_stream_infer("prefillonly", inputs(grpcclient, "I wait"), request_id="waiter-1")
+        wait_for_metric(server, WAITING, 1)  # the queue is full ...
+        assert waiter_answers.empty(), waiter_answers.get()  # ... with the waiter (not the long one) in it
+
         status, body, seconds = post(server.http_url, {"text_input": "Hi", "allowed_tokens": [" Yes"]})
         assert status >= 400 and body["error"].startswith("overloaded: 1 requests already waiting") and seconds < 2, \
             (status, body, seconds)
-        status, body = infer_sync(server.http_url, "Hi")
-        assert status >= 400 and body["error"].startswith("overloaded"), (status, body)
-        busy.join(120); waiting.join(120)
-        assert busy_out["r"][0] == 200 and waiting_out["r"][0] == 200
+        status, body = post_json(f"{server.http_url}/v2/models/prefillonly_sync/infer",
+                                 {"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["Hi"]},
+                                             {"name": "allowed_tokens", "shape": [1], "datatype": "BYTES", "data": [" Yes"]}]})
+        assert status == 503 and body["error"].startswith("overloaded"), (status, body)
+        error = unary_error(httpclient, server.http_url.replace("http://", ""))
+        assert error.status() == "503" and error.message().startswith("overloaded"), error
+        error = unary_error(grpcclient, server.grpc_url)
+        assert error.status() == "StatusCode.UNAVAILABLE" and error.message().startswith("overloaded"), error
+        error = stream_one(server.grpc_url)
+        assert error is not None and error.message().startswith("overloaded"), error
+        error = stream_one(server.grpc_url, headers={"triton_grpc_error": "true"})
+        assert error is not None and error.status() == "StatusCode.UNAVAILABLE" and "overloaded" in error.message(), error
+
+        before = scrape_metrics(server.metrics_url).get(CANCELLED, 0)
+        waiter.stop_stream(cancel_requests=True)
+        waiter.close()
+        wait_for_metric(server, CANCELLED, before + 1)
+        wait_for_metric(server, WAITING, 0)
+        assert busy.is_alive(), "the long request ended before the cancellation was checked: make LONG longer"
+        result, error = waiter_answers.get(timeout=5)  # tritonclient tells the canceller itself
+        assert result is None and error.status() == "StatusCode.CANCELLED", (result, error)
+        busy.join(120)
+        assert busy_out["r"][0] == 200
         assert post(server.http_url, {"text_input": "Hi", "allowed_tokens": [" Yes"]})[0] == 200
+        log = server.log_tail(10**7)
+    assert "request 'waiter-1' failed: cancelled" in log  # one line, with the request id
 
 
-def test_sigterm_answers_every_request_in_flight(tmp_path):
-    with running_server(repo_with(tmp_path, threads="1"), ready_timeout=180) as server:
-        clients = [in_background(post, server.http_url, {"text_input": LONG + str(i), "allowed_tokens": [" Yes"]}, 180)
+def test_sigterm_answers_every_request_in_flight(tmp_path, small_served_model):
+    repo = copy_model_repository(REPO, tmp_path / "repo", models=("prefillonly",), model=small_served_model,
+                                 dtype="float32", threads="1")
+    with running_server(repo, ready_timeout=180) as server:
+        clients = [in_background(post, server.http_url, {"input_ids": LONG[:-i - 1], "allowed_token_ids": [1]}, 180)
                    for i in range(3)]
         time.sleep(1.0)
         server.send_signal(signal.SIGTERM)

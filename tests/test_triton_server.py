@@ -1,42 +1,40 @@
 """The prefillonly Triton model on a real tritonserver, through real tritonclient HTTP and gRPC
 clients: results equal Engine.score on the same input, bad input gets an error naming the
-problem while the server keeps serving, multi-item, and concurrent gRPC streams."""
+problem while the server keeps serving, multi-item, concurrent gRPC streams, metrics, warm-up.
+Most tests run on a small random-weight model (tests/conftest.py SERVING_CONFIG, with the default
+model's tokenizer); one runs on the default model."""
 
 from __future__ import annotations
 
+import ast
 import json
 import queue
-import shutil
-import urllib.request
+from concurrent.futures import CancelledError
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from prefillonly.serving.testing import post_json, running_server
+from prefillonly.serving.testing import copy_model_repository, post_json, running_server, scrape_metrics
 
 REPO = Path(__file__).resolve().parents[1] / "model_repository"
 PROMPT = "Is the sky blue on a clear day? Answer:"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    repo = tmp_path_factory.mktemp("repo")
-    shutil.copytree(REPO / "prefillonly", repo / "prefillonly")
-    shutil.copytree(REPO / "prefillonly_sync", repo / "prefillonly_sync")
-    config = repo / "prefillonly" / "config.pbtxt"
-    # fp32 so that the server's numbers equal an in-process Engine's exactly
-    config.write_text(config.read_text().replace('string_value: "bfloat16"', 'string_value: "float32"')
-                      .replace('key: "threads" value: { string_value: "" }', 'key: "threads" value: { string_value: "1" }'))
+def server(tmp_path_factory, small_served_model):
+    # fp32 and one thread on both sides, so that the server's numbers equal an in-process Engine's
+    repo = copy_model_repository(REPO, tmp_path_factory.mktemp("server") / "repo", model=small_served_model,
+                                 dtype="float32", threads="1")
     with running_server(repo, ready_timeout=180) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
-def engine():
+def engine(small_served_model):
     from prefillonly import Engine, EngineConfig
 
-    with Engine(EngineConfig(dtype="float32", threads=1)) as e:
+    with Engine(EngineConfig(model=small_served_model, dtype="float32", threads=1)) as e:
         yield e
 
 
@@ -144,35 +142,70 @@ def test_plain_http_infer_and_grpc_unary_through_the_forwarder(server, engine):
         assert result.as_numpy("allowed_logprobs").tolist() == pytest.approx([t.logprob for t in want.tokens], abs=1e-4)
         bad = module.InferInput("text_input", [1], "BYTES")
         bad.set_data_from_numpy(np.array([PROMPT.encode()], dtype=np.object_))
-        with pytest.raises(Exception, match="missing allowed tokens"):
+        with pytest.raises(Exception, match="missing allowed tokens") as info:
             client.infer("prefillonly_sync", [bad])
+        assert info.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")  # the caller's fault, not the server's
         client.close()
 
 
 def test_metrics_endpoint_exports_engine_metrics_that_move(server):
-    def scrape():
-        with urllib.request.urlopen(server.metrics_url, timeout=30) as r:
-            text = r.read().decode()
-        values = {}
-        for line in text.splitlines():
-            if line.startswith(("prefillonly_", "nv_inference_request_success")):
-                key, _, value = line.rpartition(" ")
-                values[key] = float(value)
-        return values
-
-    before = scrape()
+    before = scrape_metrics(server.metrics_url)
     for _ in range(3):
         assert generate(server, {"text_input": PROMPT + " Really?", "allowed_tokens": [" Yes", " No"]})[0] == 200
     generate(server, {"text_input": PROMPT})  # a rejected request
-    after = scrape()
-    completed = 'prefillonly_requests_total{outcome="completed"}'
-    assert after[completed] >= before.get(completed, 0) + 3
+    after = scrape_metrics(server.metrics_url)
+    moved = lambda key, by: after[key] >= before.get(key, 0) + by  # noqa: E731
+    assert moved('prefillonly_requests_total{outcome="completed"}', 3)
     tokens = [k for k in after if k.startswith("prefillonly_prompt_tokens_total")]
     assert tokens and sum(after[k] for k in tokens) > sum(before.get(k, 0) for k in tokens)
     for name in ("prefillonly_waiting_requests", "prefillonly_cache_bytes", "prefillonly_jct_estimate_error"):
         assert any(k.startswith(name) for k in after), name
+    # request latency: a histogram per phase (queue wait, total)
+    for phase in ("queue", "total"):
+        assert moved(f'prefillonly_request_latency_seconds_count{{phase="{phase}"}}', 3), phase
+        assert after[f'prefillonly_request_latency_seconds_sum{{phase="{phase}"}}'] > 0, phase
+    assert any(k.startswith("prefillonly_request_latency_seconds_bucket") for k in after)
     success = [k for k in after if k.startswith("nv_inference_request_success") and 'model="prefillonly"' in k]
     assert success and after[success[0]] >= 3  # Triton's own metrics stay right
+
+
+def test_ready_only_after_a_warm_up_request(server):
+    """initialize() runs one request through the engine before Triton reports ready; it is not
+    counted as a served request."""
+    values = scrape_metrics(server.metrics_url)
+    assert values["prefillonly_warmup_seconds"] > 0
+    assert "prefillonly: engine ready and warm" in server.log_tail(10**7)
+
+
+def test_default_model_over_http_generate(tmp_path, default_engine):
+    """The one server test on the embedded default model: real tokens, real probabilities."""
+    repo = copy_model_repository(REPO, tmp_path / "repo", models=("prefillonly",), dtype="float32", threads="1")
+    with running_server(repo, ready_timeout=180) as s:
+        status, out = generate(s, {"text_input": PROMPT, "allowed_tokens": [" Yes", " No"]})
+    assert status == 200, out
+    want = default_engine.score(PROMPT, [" Yes", " No"])
+    assert out["allowed_logprobs"] == pytest.approx([t.logprob for t in want.tokens], abs=1e-4)
+    assert out["chosen_token"] == want.chosen.text == " Yes"
+
+
+def test_error_status_by_code():
+    from prefillonly.errors import InvalidRequestError, OverloadedError
+    from prefillonly.serving.protocol import error_reply
+
+    assert error_reply(OverloadedError("1 requests already waiting")) == ("UNAVAILABLE", "overloaded: 1 requests already waiting")
+    assert error_reply(InvalidRequestError("missing prompt")) == ("INVALID_ARG", "invalid_request: missing prompt")
+    assert error_reply(CancelledError())[0] == "CANCELLED"
+    assert error_reply(RuntimeError("boom\nline 2")) == ("INTERNAL", "internal: RuntimeError: boom line 2")
+
+
+def test_forwarder_knows_the_same_retry_later_codes():
+    """The forwarder cannot import prefillonly (no torch in its 8 stubs): its copy must agree."""
+    from prefillonly.serving.protocol import RETRY_LATER_CODES
+
+    tree = ast.parse((REPO / "prefillonly_sync" / "1" / "model.py").read_text())
+    copy = next(ast.literal_eval(n.value) for n in tree.body
+                if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "RETRY_LATER_CODES")
+    assert copy == RETRY_LATER_CODES
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
