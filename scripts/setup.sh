@@ -26,4 +26,5 @@ if [ ! -x "$VENV/bin/python" ] || [ "$want" != "$have" ]; then
   "$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT"
   echo "$want" > "$VENV/.prefillonly-stamp"
 fi
-"$VENV/bin/prefillonly" prepare >/dev/null
+# converts the default model and compiles the CPU kernels the first time (~2 min), then instant
+"$VENV/bin/prefillonly" prepare | sed 's/^/setup: /'

@@ -1,7 +1,7 @@
 """Command line: `prefillonly score --prompt "..." --allowed " Yes" " No"` prints JSON.
 
-`prefillonly prepare` converts the embedded default model once (set-up scripts call it so
-the first request does not pay the conversion).
+`prefillonly prepare` converts the embedded default model once and builds the compiled CPU
+kernels (set-up scripts call it so the first request does not pay either).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--top-k", type=int, default=0)
     s.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _engine_args(s)
-    p = sub.add_parser("prepare", help="convert the embedded default model once")
+    p = sub.add_parser("prepare", help="convert the embedded default model and build the CPU kernels, once")
     p.add_argument("--cache-dir", default=default_cache_dir())
     a = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
@@ -57,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
             from .default_model import ensure_default_model
 
             print(ensure_default_model(a.cache_dir))
+            from .kernels import cpu_ext
+
+            # build the compiled CPU kernels now, not in the first request (or the server's load)
+            print("compiled CPU kernels:", "ready" if cpu_ext.load() is not None else f"unavailable ({cpu_ext.why_unavailable()})")
             return 0
         from .engine import Engine
 

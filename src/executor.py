@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache.prefix_kv import CaptureSink, KVSink, PrefixKV, PrefixSource, Sinks
+from .kernels.ops import rope_table_dtype
 from .kernels import add_linear_, causal_attention, causal_attention_inplace, linear_into, rms_norm_into, rope_into, swiglu_into
 from .model_spec import ModelSpec
 from .rope import RotaryTable
@@ -40,6 +41,7 @@ class HybridPrefillExecutor:
         self.attention_backend = attention_backend
         self.rotary = RotaryTable(spec, device)
         self.scale = spec.head_dim ** -0.5
+        self.rope_dtype = rope_table_dtype(device, dtype)
         self.tokens_computed = 0  # prompt tokens run through the layers, all requests (a counter)
 
     @torch.inference_mode()
@@ -67,7 +69,7 @@ class HybridPrefillExecutor:
         ws = allocate(plan, self.device)
         torch.index_select(self.weights.embed, 0, token_ids.to(self.device), out=ws["hidden"])
         chunks = [(c0, min(plan.new_tokens, c0 + plan.chunk)) for c0 in range(0, plan.new_tokens, plan.chunk)]
-        rope = [self.rotary.cos_sin(p + c0, p + c1, self.dtype) for c0, c1 in chunks]
+        rope = [self.rotary.cos_sin(p + c0, p + c1, self.rope_dtype) for c0, c1 in chunks]
 
         for li, layer in enumerate(self.weights.layers):
             if prefix is not None and p:
