@@ -1,4 +1,4 @@
-"""Builds and loads the compiled CPU kernels (cpu_ops.cpp, cpu_attention.cpp).
+"""Builds and loads the compiled CPU kernels (cpu_ops.cpp).
 
 Compiled on first use with torch's own extension builder (gcc + ninja, both in the set-up) and
 cached under torch's extensions directory (TORCH_EXTENSIONS_DIR, default
@@ -20,7 +20,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = [_HERE / "cpu_bindings.cpp", _HERE / "cpu_ops.cpp", _HERE / "cpu_attention.cpp"]
+SOURCES = [_HERE / "cpu_bindings.cpp", _HERE / "cpu_ops.cpp"]
 _lock = threading.Lock()
 _state: dict = {}
 
