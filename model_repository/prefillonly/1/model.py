@@ -76,7 +76,15 @@ class TritonPythonModel:
     def _submit(self, call):
         if call.items is not None:
             return [self.engine.submit_items(call.prompts[0], call.items, call.allowed, **call.options)]
-        return [self.engine.submit(p, call.allowed, **call.options) for p in call.prompts]
+        futures = []
+        try:
+            for prompt in call.prompts:
+                futures.append(self.engine.submit(prompt, call.allowed, **call.options))
+        except Exception:  # all or nothing: the request is answered with the error, so run none of it
+            for f in futures:
+                f.cancel()
+            raise
+        return futures
 
     def _done(self, pending, results, error):
         self.watcher.forget(pending)
