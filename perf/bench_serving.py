@@ -1,7 +1,7 @@
 """Serving benchmark (issue 5): the real tritonserver on model_repository/ (default model, bf16)
 driven by perf_analyzer and by tritonclient, one command:
 
-    .venv/bin/python perf/bench_serving.py            # full: cpu-scale post-rec trace, ~10 min
+    .venv/bin/python perf/bench_serving.py            # full: cpu-scale post-rec trace, ~10-12 min
     .venv/bin/python perf/bench_serving.py --quick    # shorter windows, fewer levels, ~3 min
     .venv/bin/python perf/bench_serving.py --quick --scale tiny   # smoke test, ~2 min
 
@@ -11,10 +11,13 @@ Steps, in this order (low-load measurements first, on a fresh server):
    gRPC unary through the forwarder (`prefillonly_sync`), and to an in-process Engine built from
    the same config.pbtxt parameters (same dtype, threads, cache; EngineConfig.from_strings as
    model.py does) while the server idles. overhead = client end-to-end - in-process engine time
-   for the same prompt (median of the per-prompt differences; also the difference of medians). Triton's per-model statistics are read too: for the decoupled
+   for the same prompt (median of the per-prompt differences; also the difference of medians).
+   Calls go in a shuffled order with short pauses, so neither engine runs while the other's
+   OpenMP threads still spin. Triton's per-model statistics are read too, but for the decoupled
    model compute_infer only covers execute(), which hands the request to the engine's queue and
    returns, so it does not hold the engine time; for the forwarder compute_infer is the whole
-   forwarded call.
+   forwarded call. A rate sweep's perf_analyzer runs with --max-threads 64: it keeps one request
+   in flight per thread, and its default 4 capped the load below the asked rate.
 2. Waiting requests through the forwarder: K concurrent plain gRPC infers (long prompt, each
    different) at `prefillonly_sync`; the metrics endpoint is scraped every 50 ms meanwhile for
    the engine's `prefillonly_waiting_requests` gauge and Triton's pending-request counts.
@@ -351,7 +354,7 @@ def pa_level(server, out_dir: Path, trace: wl.Trace, *, name: str, level: str, m
     after, after_model = outcome_counts(after_values, MODEL), outcome_counts(after_values, model)
     inputs.unlink(missing_ok=True)
     (out_dir / f"{tag}.log").write_text(pa.stdout[-20000:] + ("\n--- stderr ---\n" + pa.stderr[-5000:] if pa.stderr.strip() else ""))
-    rows = read_perf_analyzer_csv(csv_path) if pa.returncode == 0 and csv_path.is_file() else []
+    rows = read_perf_analyzer_csv(csv_path) if csv_path.is_file() else []  # numbers even when some requests failed
     computed, cached = after["computed"] - before["computed"], after["cached"] - before["cached"]
     row = {"name": name, "model": model, "protocol": protocol, "mode": mode, "value": value, "rc": pa.returncode,
            "csv": csv_path.name, "elapsed_s": elapsed,
