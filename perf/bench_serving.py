@@ -46,7 +46,6 @@ import statistics
 import sys
 import threading
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -55,6 +54,7 @@ import numpy as np
 import benchutil as bu
 import perf_analyzer_inputs as pai
 import workloads as wl
+from prefillonly.serving.testing import scrape_metrics
 
 SECTION = "## Serving (issue 5)"
 MODEL, SYNC_MODEL = "prefillonly", "prefillonly_sync"
@@ -65,25 +65,8 @@ RATE_THREADS = 64  # perf_analyzer --max-threads in request-rate mode (bounds th
 
 # -- the server's metrics and statistics -------------------------------------------------------------
 def scrape(metrics_url: str) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value}."""
-    for attempt in range(50):  # the metrics port may open a moment after /v2/health/ready answers
-        try:
-            with urllib.request.urlopen(metrics_url, timeout=30) as r:
-                text = r.read().decode()
-            break
-        except urllib.error.URLError:
-            if attempt == 49:
-                raise
-            time.sleep(0.2)
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            try:
-                values[key] = float(value)
-            except ValueError:
-                pass
-    return values
+    """Prometheus text -> {'name{labels}': value}, every series."""
+    return scrape_metrics(metrics_url, prefixes=None)
 
 
 def metric(values: dict[str, float], name: str, **labels) -> float:

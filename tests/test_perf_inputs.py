@@ -8,9 +8,6 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -81,21 +78,9 @@ def test_cli_writes_the_file(tmp_path, capsys):
 
 # -- a real perf_analyzer run against a real server -------------------------------------------------
 def _failures(server) -> dict[str, float]:
-    for attempt in range(50):  # the metrics port may open a moment after /v2/health/ready answers
-        try:
-            with urllib.request.urlopen(server.metrics_url, timeout=30) as r:
-                text = r.read().decode()
-            break
-        except urllib.error.URLError:
-            if attempt == 49:
-                raise
-            time.sleep(0.2)
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("nv_inference_request_failure{"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
+    from prefillonly.serving.testing import scrape_metrics
+
+    return scrape_metrics(server.metrics_url, prefixes=("nv_inference_request_failure{",))
 
 
 def test_perf_analyzer_on_both_models_with_trace_inputs_has_zero_errors(tmp_path):

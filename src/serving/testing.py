@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import textwrap
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -69,14 +70,26 @@ def copy_model_repository(source: str | os.PathLike, dest: str | os.PathLike, mo
 
 
 def scrape_metrics(metrics_url: str, prefixes=("prefillonly_", "nv_inference_")) -> dict[str, float]:
-    """Triton's Prometheus endpoint as {'name{labels}': value} for the series starting with `prefixes`."""
-    with urllib.request.urlopen(metrics_url, timeout=30) as r:
-        text = r.read().decode()
+    """Triton's Prometheus endpoint as {'name{labels}': value} for the series starting with
+    `prefixes` (None: every series). Retries briefly: the metrics port may open a moment after
+    /v2/health/ready answers."""
+    for attempt in range(50):
+        try:
+            with urllib.request.urlopen(metrics_url, timeout=30) as r:
+                text = r.read().decode()
+            break
+        except urllib.error.URLError:
+            if attempt == 49:
+                raise
+            time.sleep(0.2)
     values = {}
     for line in text.splitlines():
-        if line.startswith(tuple(prefixes)):
+        if line and not line.startswith("#") and (prefixes is None or line.startswith(tuple(prefixes))):
             key, _, value = line.rpartition(" ")
-            values[key] = float(value)
+            try:
+                values[key] = float(value)
+            except ValueError:
+                pass
     return values
 
 
