@@ -397,13 +397,8 @@ def render_section(data: dict, plot_name: str | None) -> str:
 
 def plot(data: dict, path: Path) -> bool:
     """Memory growth and prefill speed vs prompt length; False (tables only) without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        bu.log("matplotlib not installed: tables only (it is in requirements.txt; run scripts/setup.sh)")
+    plt = bu.pyplot()
+    if plt is None:
         return False
     fig, (ax_mem, ax_speed) = plt.subplots(1, 2, figsize=(12, 4.5))
     if "memory" in data:

@@ -26,6 +26,19 @@ def log(msg: str) -> None:
     print(f"[{datetime.datetime.now():%H:%M:%S}] {msg}", flush=True)
 
 
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or None (tables only) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib not installed: tables only (it is in requirements.txt; run scripts/setup.sh)")
+        return None
+    return plt
+
+
 def now_iso() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 

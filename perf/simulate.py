@@ -668,12 +668,8 @@ def notes(gpu: CostModel, csjf_pick_s_per_waiting: float | None, scenarios: list
 
 
 def plot(data: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = bu.pyplot()
+    if plt is None:
         return False
     scs = data["scenarios"]
     cols = min(3, len(scs))
