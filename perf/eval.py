@@ -683,13 +683,8 @@ def render_mil(d: dict) -> list[str]:
 
 
 def plot_load(d: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        bu.log("matplotlib not installed: no plot")
+    plt = bu.pyplot()
+    if plt is None:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, key, title in ((axes[0], "mean_latency_s", "mean latency"), (axes[1], "p99_latency_s", "P99 latency")):
