@@ -86,13 +86,15 @@ class EngineMetrics:
                 if value_of is None:
                     continue
                 value = float(value_of(stats))
+                # Each Metric call is a round trip to Triton (IPC), made on the response path:
+                # send only what moved.
                 if kind == "COUNTER":
                     delta = value - self._last.get(key, 0.0)
                     if delta > 0:
                         metric.increment(delta)
-                    self._last[key] = value
-                else:
+                elif value != self._last.get(key):
                     metric.set(value)
+                self._last[key] = value
             now, computed = time.monotonic(), stats["tokens_computed"]
             then, before = self._rate_at
             if now - then >= 1.0:
