@@ -206,21 +206,32 @@ def prefill_row(dtype_name: str, s: int, times: dict, gap: float, flops: int, pe
 # -- 3. peak memory, one fresh process per (system, length) ---------------------------------
 def run_peak_subprocess(system: str, length: int, threads: int, timeout_s: int) -> dict:
     """One (system, length) measurement by `python -m prefillonly.memory_probe` in a fresh process."""
-    chunk = MEMORY_SYSTEMS[system]
-    cmd = [sys.executable, "-m", "prefillonly.memory_probe", "--tokens", str(length), "--dtype", MEMORY_DTYPE,
+    return run_memory_probe(system, length, threads, timeout_s, chunk=MEMORY_SYSTEMS[system] or 0,
+                            dtype=MEMORY_DTYPE, inplace=system in INPLACE_SYSTEMS)
+
+
+def run_memory_probe(system: str, tokens: int, threads: int, timeout_s: float, chunk: int, dtype: str = "bfloat16",
+                     inplace: bool = False, random_config: dict | None = None) -> dict:
+    """`python -m prefillonly.memory_probe` in a fresh process (DESIGN.md §10's peak-growth measure):
+    {growth_bytes, seconds, predicted_bytes, process_s} or {error}. system "transformers" or ours."""
+    cmd = [sys.executable, "-m", "prefillonly.memory_probe", "--tokens", str(tokens), "--dtype", dtype,
            "--threads", str(threads), "--system", "transformers" if system == "transformers" else "prefillonly",
-           "--chunk-size", str(chunk or 0)] + (["--inplace-attention"] if system in INPLACE_SYSTEMS else [])
+           "--chunk-size", str(chunk)]
+    cmd += ["--random-config", json.dumps(random_config)] if random_config else []
+    cmd += ["--inplace-attention"] if inplace else []
+    t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=bu.REPO_ROOT)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout_s} s"}
+        return {"error": f"timed out after {timeout_s:.0f} s"}
     results = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not results:
         killed = " (killed by signal 9: likely out of memory)" if proc.returncode == -9 else ""
         tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
         return {"error": f"exit {proc.returncode}{killed}: {tail}"}
     r = json.loads(results[-1])
-    return {"growth_bytes": r["measured_bytes"], "seconds": r["seconds"], "predicted_bytes": r["predicted_bytes"]}
+    return {"growth_bytes": r["measured_bytes"], "seconds": r["seconds"], "predicted_bytes": r.get("predicted_bytes"),
+            "process_s": time.perf_counter() - t0}
 
 
 def measure_memory(lengths: list[int], threads: int, timeout_s: int, systems: list[str]) -> list[dict]:

@@ -413,26 +413,11 @@ def two_layer_config(spec_path: str, positions: int) -> dict:
 
 def probe(system: str, tokens: int, threads: int, timeout_s: float, random_config: dict | None, inplace: bool) -> dict:
     """One peak-growth measurement by `python -m prefillonly.memory_probe` in a fresh process
-    (DESIGN.md §10's measure; bench_core.run_peak_subprocess runs the real model only)."""
-    cmd = [sys.executable, "-m", "prefillonly.memory_probe", "--tokens", str(tokens), "--dtype", "bfloat16",
-           "--threads", str(threads), "--system", "transformers" if system == "transformers" else "prefillonly",
-           "--chunk-size", str(CHUNK)]
-    if random_config:
-        cmd += ["--random-config", json.dumps(random_config)]
-    if inplace:
-        cmd += ["--inplace-attention"]
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=bu.REPO_ROOT)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout_s:.0f} s"}
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        killed = " (killed: likely out of memory)" if proc.returncode == -9 else ""
-        return {"error": f"exit {proc.returncode}{killed}: {' | '.join(proc.stderr.strip().splitlines()[-2:])}"}
-    r = json.loads(lines[-1])
-    return {"growth_bytes": r["measured_bytes"], "seconds": r["seconds"], "process_s": time.perf_counter() - t0,
-            "predicted_bytes": r.get("predicted_bytes")}
+    (bench_core's runner; here also on a 2-layer model of the real width)."""
+    import bench_core
+
+    return bench_core.run_memory_probe(system, tokens, threads, timeout_s, chunk=CHUNK, inplace=inplace,
+                                       random_config=random_config)
 
 
 def fit_mil(points: list[dict], budget: int) -> dict | None:
