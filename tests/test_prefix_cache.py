@@ -93,6 +93,11 @@ def test_pool_roundtrip_is_bit_exact_across_tiers():
         kd, vd = torch.empty(2, 2 * B - 3, 4).bfloat16(), torch.empty(2, 2 * B - 3, 4).bfloat16()
         p1.read(layer, torch.tensor([1, 2]), kd, vd)
         assert torch.equal(kd, (k + layer)[:, : 2 * B - 3]) and torch.equal(vd, (v - layer)[:, : 2 * B - 3])
+        # as the executor reads: whole blocks into the front of a longer K/V buffer, the rest untouched
+        kbig, vbig = torch.zeros(2, 2 * B + 5, 4).bfloat16(), torch.zeros(2, 2 * B + 5, 4).bfloat16()
+        p1.read(layer, torch.tensor([1, 2]), kbig[:, : 2 * B], vbig[:, : 2 * B])
+        assert torch.equal(kbig[:, : 2 * B], k + layer) and torch.equal(vbig[:, : 2 * B], v - layer)
+        assert not kbig[:, 2 * B :].any() and not vbig[:, 2 * B :].any()
 
 
 # -- engine -----------------------------------------------------------------------------------
