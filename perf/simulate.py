@@ -295,14 +295,7 @@ class SimEngine:
         new = []
         if cached == len(matched) * b:
             parent = matched[-1].hash if matched else None
-            wanted = req.block_hashes[len(matched): sr.keep_len // b]
-            for h in wanted:
-                blk, _moves = index.reserve(h, parent)  # single tier: moves are always empty
-                if blk is None:
-                    stats.overflow_blocks += len(wanted) - len(new)
-                    break
-                new.append(blk)
-                parent = h
+            new, _moves = index.reserve_chain(req.block_hashes[len(matched): sr.keep_len // b], parent)  # single tier: no moves
         stats.lookups += 1
         stats.hit_tokens += cached
         stats.miss_tokens += sr.prompt_tokens - cached

@@ -128,6 +128,23 @@ class PrefixIndex:
             self._refresh(p)
         return b, moves
 
+    def reserve_chain(self, hashes: list[bytes], parent: bytes | None) -> tuple[list[Block], list[Move]]:
+        """reserve() each of `hashes` in turn, each the parent of the next, until one is refused;
+        the refused rest is counted as overflow (kept nowhere, never an error). Returns the
+        reserved blocks and the data moves their evictions need, to execute in order before
+        the blocks are written."""
+        blocks: list[Block] = []
+        moves: list[Move] = []
+        for h in hashes:
+            b, needed = self.reserve(h, parent)
+            moves += needed
+            if b is None:
+                self.stats.overflow_blocks += len(hashes) - len(blocks)
+                break
+            blocks.append(b)
+            parent = h
+        return blocks, moves
+
     def mark_ready(self, blocks: list[Block]) -> None:
         for b in blocks:
             b.ready = True

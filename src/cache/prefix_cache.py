@@ -102,15 +102,8 @@ class PrefixCache:
         new: list[Block] = []
         if cached == len(matched) * b:  # else everything is cached already
             parent = matched[-1].hash if matched else None
-            wanted = hashes[len(matched) : keep_len // b]
-            for h in wanted:
-                blk, moves = self.index.reserve(h, parent)
-                self._execute(moves)
-                if blk is None:
-                    stats.overflow_blocks += len(wanted) - len(new)
-                    break
-                new.append(blk)
-                parent = h
+            new, moves = self.index.reserve_chain(hashes[len(matched) : keep_len // b], parent)
+            self._execute(moves)  # the evictions' copies, before any new block is written
         stats.lookups += 1
         stats.hit_tokens += cached
         stats.miss_tokens += len(ids) - cached
