@@ -576,7 +576,7 @@ def measure_engine_peak(report, plan, executor, spec, ids, method, chunk, card_l
     meter.start()
     executor.forward(ids, chunk)
     peak = meter.peak_growth()
-    predicted = predict_peak_bytes(spec, len(ids), chunk, torch.bfloat16)
+    predicted = predict_peak_bytes(spec, len(ids), chunk, torch.bfloat16, device="cuda")
     report.add("memory", memory_row(method, len(ids), chunk, peak, predicted, card_left))
 
 

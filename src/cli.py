@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
 
             # build the compiled CPU kernels now, not in the first request (or the server's load)
             print("compiled CPU kernels:", "ready" if cpu_ext.load() is not None else f"unavailable ({cpu_ext.why_unavailable()})")
+            attention = cpu_ext.load_attention()
+            print("CPU flash attention:", f"ready ({', '.join(attention.supported_isas())} on this CPU)" if attention is not None
+                  else f"unavailable, attention runs on torch SDPA ({cpu_ext.why_attention_unavailable()})")
             return 0
         from .engine import Engine
 

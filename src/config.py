@@ -32,7 +32,7 @@ class EngineConfig:
     max_input_len: int | None = None  # None = the model's context length; larger is an explicit override
     activation_budget_bytes: int | None = None  # one request's transient peak; None = 90% of free memory at start
     threads: int | None = None  # torch intra-op threads (CPU); None = torch's default
-    attention_backend: str = "auto"  # auto | sdpa | flash_attn
+    attention_backend: str = "auto"  # auto | cpu_flash | sdpa | flash_attn
     cache_budget_bytes: int | None = None  # prefix-KV pool; None = 20% of free memory at start; 0 = no cache
     cache_block_size: int = 64  # tokens per cached block (the unit of prefix reuse)
     cache_second_tier_bytes: int = 0  # blocks evicted from the pool go here (host memory); 0 = off

@@ -176,7 +176,8 @@ class Engine:
     def predict_peak_bytes(self, new_tokens: int, prefix_tokens: int = 0, inplace_attention: bool = False) -> int:
         """Predicted peak extra memory of computing `new_tokens` after `prefix_tokens` cached ones."""
         return predict_peak_bytes(self.spec, new_tokens, self.config.chunk_size, self.dtype, prefix_tokens,
-                                  inplace_attention=inplace_attention)
+                                  inplace_attention=inplace_attention, attention_backend=self.executor.attention_backend,
+                                  device=self.device)
 
     def close(self, timeout: float | None = None) -> None:
         """Stop taking work; fail every waiting request with EngineClosedError; let the running
@@ -342,7 +343,8 @@ class Engine:
 
         def need(inplace: bool) -> int:
             return predict_peak_bytes(self.spec, new_tokens, self.config.chunk_size, self.dtype, prefix_tokens,
-                                      captured, inplace_attention=inplace)
+                                      captured, inplace_attention=inplace, attention_backend=self.executor.attention_backend,
+                                      device=self.device)
 
         if need(False) <= self.activation_budget_bytes:
             return False

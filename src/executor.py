@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from .cache.prefix_kv import CaptureSink, KVSink, PrefixKV, PrefixSource, Sinks
-from .kernels.ops import rope_table_dtype
+from .kernels.ops import rms_norm_needs_scratch, rope_table_dtype
 from .kernels import add_linear_, causal_attention, causal_attention_inplace, linear_into, rms_norm_into, rope_into, swiglu_into
+from .kernels.attention import cpu_flash_applies
 from .model_spec import ModelSpec
 from .rope import RotaryTable
 from .weights import ModelWeights
@@ -59,17 +60,20 @@ class HybridPrefillExecutor:
         chunk_size None (or >= S) means no chunking. `sink` is offered each layer's K/V (the
         prefix cache keeps its blocks); `capture=(start, end)` returns the K/V of absolute
         positions [start, end) (prefix positions included) as a PrefixKV. inplace_attention
-        writes attention's output over Q block by block (less memory, slower; CPU only).
+        writes attention's output over Q block by block (less memory, slower; CPU only). The
+        compiled CPU kernel always writes over Q: it costs nothing there.
         """
         spec = self.spec
         p = prefix.length if prefix is not None else 0
         capture_sink = CaptureSink(*capture) if capture else None
         sink = Sinks(sink, capture_sink) if (sink is not None or capture_sink is not None) else None
-        plan = plan_workspace(spec, int(token_ids.shape[0]), chunk_size, self.dtype, p)
+        plan = plan_workspace(spec, int(token_ids.shape[0]), chunk_size, self.dtype, p,
+                              fp32_scratch=rms_norm_needs_scratch(self.device, self.dtype, spec.qk_norm))
         ws = allocate(plan, self.device)
         torch.index_select(self.weights.embed, 0, token_ids.to(self.device), out=ws["hidden"])
         chunks = [(c0, min(plan.new_tokens, c0 + plan.chunk)) for c0 in range(0, plan.new_tokens, plan.chunk)]
         rope = [self.rotary.cos_sin(p + c0, p + c1, self.rope_dtype) for c0, c1 in chunks]
+        inplace_attention = inplace_attention or cpu_flash_applies(self.attention_backend, ws["q"])
 
         for li, layer in enumerate(self.weights.layers):
             if prefix is not None and p:
@@ -79,7 +83,7 @@ class HybridPrefillExecutor:
             if sink is not None:
                 sink.store(li, ws["k"], ws["v"])
             if inplace_attention:
-                attn = causal_attention_inplace(ws["q"], ws["k"], ws["v"], self.scale)  # == ws["q"]
+                attn = causal_attention_inplace(ws["q"], ws["k"], ws["v"], self.scale, backend=self.attention_backend)  # == ws["q"]
             else:
                 attn = causal_attention(ws["q"], ws["k"], ws["v"], self.scale, self.attention_backend)  # [Hq, S, hd]
             for c0, c1 in chunks:

@@ -9,10 +9,20 @@ from __future__ import annotations
 
 import torch
 
-from .kernels.attention import INPLACE_QUERY_BLOCK
+from .kernels.attention import INPLACE_QUERY_BLOCK, cpu_flash_covers, cpu_flash_scratch_bytes
 from .model_spec import ModelSpec
+from .kernels.ops import rms_norm_needs_scratch
 from .workspace import plan_workspace
 
+_PAGE = 4096  # an allocation may touch one page more than its size (its header, the rounding)
+# A forward's allocations that are not tensors (Python objects, per-call library buffers, thread
+# arenas): a 16-token forward grows the RSS by 0.4-0.7 MiB (memory_probe's small_forward_bytes,
+# which tests/test_memory.py checks against this allowance).
+UNSEEN_BYTES = 1 << 20
+
+# The compiled CPU kernel (backend "cpu_flash") writes over Q and allocates only its float32
+# scratch, which it reports itself (cpu_flash_scratch_bytes): nothing to estimate.
+#
 # torch SDPA's output and internal buffers, per query element ([S, q_width]), and its
 # per-thread fixed blocks. Measured on CPU (memory_probe: growth minus the workspace) at
 # 8K-16K tokens: ~6 B per query element in both bf16 and fp32 for small GQA configs, ~9 on
@@ -27,31 +37,50 @@ _INPLACE_BYTES_PER_QUERY_ELEMENT = 48
 _INPLACE_FIXED_BYTES = 8 << 20
 
 
-def predict_peak_bytes(
-    spec: ModelSpec,
-    new_tokens: int,
-    chunk_size: int | None,
-    dtype: torch.dtype,
-    prefix_tokens: int = 0,
-    captured_tokens: int = 0,
-    inplace_attention: bool = False,
-) -> int:
-    """Peak extra bytes of a forward over `new_tokens` after `prefix_tokens` of given K/V.
+def predict_peak_bytes(spec: ModelSpec, new_tokens: int, chunk_size: int | None, dtype: torch.dtype, prefix_tokens: int = 0,
+                       captured_tokens: int = 0, inplace_attention: bool = False, attention_backend: str = "sdpa",
+                       device: torch.device | str = "cpu") -> int:
+    """Peak extra bytes of a forward over `new_tokens` after `prefix_tokens` of given K/V: the sum
+    of peak_components (same arguments)."""
+    return sum(peak_components(spec, new_tokens, chunk_size, dtype, prefix_tokens, captured_tokens, inplace_attention,
+                               attention_backend, device).values())
 
-    = the request's workspace (exact, the executor allocates this plan) + attention's output
-    and its transient copies + captured prefix K/V + the last-row logits.
+
+def peak_components(spec: ModelSpec, new_tokens: int, chunk_size: int | None, dtype: torch.dtype, prefix_tokens: int = 0,
+                    captured_tokens: int = 0, inplace_attention: bool = False, attention_backend: str = "sdpa",
+                    device: torch.device | str = "cpu") -> dict[str, int]:
+    """The prediction by part, in bytes:
+
+    workspace  the request's buffers (exact: the executor allocates this plan);
+    attention  attention's output and temporaries (for the compiled CPU kernel, which writes over
+               Q: its float32 scratch, as it reports it; for SDPA the measured estimate above);
+    captured   K/V of a captured prefix (multi-item), all layers;  prefix_gather: one layer's
+               cached blocks gathered from the pool;
+    small      ids, RoPE cos/sin tables (float32 on CPU) and one chunk's angle table, logits;
+    pages      one page per allocation (header and rounding): an allowance, not a buffer;
+    unseen     what a forward allocates outside tensors: an allowance (UNSEEN_BYTES).
     """
     e = torch.tensor([], dtype=dtype).element_size()
     s = new_tokens
-    workspace = plan_workspace(spec, s, chunk_size, dtype, prefix_tokens).nbytes()
-    if inplace_attention:  # one query block's flash outputs and float32 merge at a time
+    device = torch.device(device)
+    plan = plan_workspace(spec, s, chunk_size, dtype, prefix_tokens,
+                          fp32_scratch=rms_norm_needs_scratch(device, dtype, spec.qk_norm))
+    if cpu_flash_covers(attention_backend, device, dtype, spec.head_dim):
+        attention = cpu_flash_scratch_bytes(spec.head_dim, spec.num_heads // spec.num_kv_heads)
+    elif inplace_attention:  # one query block's flash outputs and float32 merge at a time
         attention = _INPLACE_BYTES_PER_QUERY_ELEMENT * min(s, INPLACE_QUERY_BLOCK) * spec.q_width + _INPLACE_FIXED_BYTES
     else:
         attention = _ATTENTION_BYTES_PER_QUERY_ELEMENT * s * spec.q_width + _ATTENTION_FIXED_BYTES
-    captured = e * 2 * captured_tokens * spec.kv_width * spec.num_layers
-    prefix_gather = e * 2 * prefix_tokens * spec.kv_width  # one layer's blocks gathered from the pool
-    small = s * (8 + spec.head_dim * e) + spec.vocab_size * (e + 4)  # ids, RoPE tables, logits
-    return workspace + attention + captured + prefix_gather + small
+    chunks = -(-s // plan.chunk)
+    return dict(
+        workspace=plan.nbytes(),
+        attention=attention,
+        captured=e * 2 * captured_tokens * spec.kv_width * spec.num_layers,
+        prefix_gather=e * 2 * prefix_tokens * spec.kv_width,
+        small=s * (8 + spec.head_dim * 4) + plan.chunk * spec.head_dim * 2 + spec.vocab_size * (e + 4),
+        pages=_PAGE * (len(plan.shapes) + 2 * chunks + 8),  # workspace, RoPE tables, the few others
+        unseen=UNSEEN_BYTES,
+    )
 
 
 class PeakMemoryMeter:

@@ -20,7 +20,8 @@ import time
 import torch
 
 from .config import DTYPES
-from .memory import PeakMemoryMeter, predict_peak_bytes
+from .kernels.attention import BACKENDS, resolve_backend
+from .memory import PeakMemoryMeter, peak_components
 from .model_spec import ModelSpec
 
 
@@ -37,6 +38,7 @@ def _spec(args) -> ModelSpec:
 
 
 def measure(args) -> dict:
+    mmap_pinned = pin_mmap_threshold()  # before the weights: the whole process runs under it
     torch.set_num_threads(args.threads)
     dtype, device = DTYPES[args.dtype], torch.device("cpu")
     spec = _spec(args)
@@ -45,22 +47,67 @@ def measure(args) -> dict:
         run = _transformers_runner(args, spec, dtype)
     else:
         run = _prefillonly_runner(args, spec, dtype, device)
-    run(ids[:16])  # warm-up: one-time allocations (thread pools, kernels) are not the request's
+    # warm-up over one full chunk: one-time allocations (thread pools, the BLAS library's packing
+    # buffers for chunk-sized matmuls, kernels) belong to the process, not to the request
+    run(ids[: min(args.tokens, args.chunk_size or 2048)])
     meter = PeakMemoryMeter(device)
     if not meter.available:
         raise SystemExit("cannot reset the RSS high-water mark (/proc/self/clear_refs not writable)")
+    # what a 16-token forward costs beyond its (tiny) buffers: Python objects, per-call library
+    # buffers; the prediction's `unseen` allowance must cover it
     gc.collect()
+    release_free_heap()
+    meter.start()
+    run(ids[:16])
+    small_forward = meter.peak_growth()
+    gc.collect()
+    heap_trimmed = release_free_heap()
     meter.start()
     t0 = time.perf_counter()
     run(ids)
     seconds = time.perf_counter() - t0
     measured = meter.peak_growth()
     chunk = args.chunk_size or None
-    predicted = (predict_peak_bytes(spec, args.tokens, chunk, dtype, inplace_attention=args.inplace_attention)
-                 if args.system == "prefillonly" else None)
+    parts = (peak_components(spec, args.tokens, chunk, dtype, inplace_attention=args.inplace_attention,
+                             attention_backend=args.backend) if args.system == "prefillonly" else None)
+    predicted = sum(parts.values()) if parts else None
     return dict(system=args.system, tokens=args.tokens, chunk_size=chunk, dtype=args.dtype,
-                inplace_attention=args.inplace_attention, measured_bytes=measured,
-                predicted_bytes=predicted, bytes_per_token=measured / args.tokens, seconds=seconds)
+                inplace_attention=args.inplace_attention, attention_backend=args.backend, measured_bytes=measured,
+                predicted_bytes=predicted, predicted_parts=parts, heap_trimmed=heap_trimmed, mmap_pinned=mmap_pinned, small_forward_bytes=small_forward, bytes_per_token=measured / args.tokens, seconds=seconds)
+
+
+def pin_mmap_threshold(nbytes: int = 128 << 10) -> bool:
+    """Fix glibc's mmap threshold (mallopt M_MMAP_THRESHOLD), which also turns its dynamic
+    growth off: every buffer of 128 KiB or more is then its own mapping, given back when freed.
+
+    Under the default policy the threshold grows to the largest block freed so far (up to
+    32 MiB), later buffers come from the heap, and the heap's holes make the RSS peak depend on
+    the order of earlier frees (measured: +-1-2 MiB run to run at 68 MiB). Pinned, the measured
+    peak is the request's own buffers, which is what the prediction is checked against.
+    Returns False where the allocator is not glibc's."""
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL(None).mallopt(-3, nbytes))  # -3 = M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
+def release_free_heap() -> bool:
+    """Give the C heap's free pages back to the OS (glibc malloc_trim) before measuring.
+
+    Memory freed earlier (the warm-up, weight conversion temporaries) stays resident in glibc's
+    arenas once its dynamic mmap threshold has grown; the request then reuses it without any RSS
+    growth, and the measured peak comes out lower than what the request really needs by however
+    much happened to be free. Trimming first makes the measurement see the request's own pages.
+    Returns False where the allocator has no malloc_trim (not glibc)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False
 
 
 def _prefillonly_runner(args, spec, dtype, device):
@@ -71,7 +118,7 @@ def _prefillonly_runner(args, spec, dtype, device):
         weights = ModelWeights.random(spec, dtype, device)
     else:
         weights = ModelWeights.load(args.model, spec, dtype, device)
-    executor = HybridPrefillExecutor(spec, weights, dtype, device, "sdpa")
+    executor = HybridPrefillExecutor(spec, weights, dtype, device, args.backend)
     return lambda ids: executor.forward(ids, args.chunk_size or None, inplace_attention=args.inplace_attention)
 
 
@@ -101,7 +148,9 @@ def main(argv=None) -> int:
     p.add_argument("--system", default="prefillonly", choices=["prefillonly", "transformers"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--inplace-attention", action="store_true", help="write attention over Q block by block (CPU)")
+    p.add_argument("--attention-backend", default="auto", choices=BACKENDS, help="attention backend (auto: as the engine picks)")
     args = p.parse_args(argv)
+    args.backend = resolve_backend(args.attention_backend, torch.device("cpu")) if args.system == "prefillonly" else None
     if not (args.model or args.random_config):
         from .config import default_cache_dir
         from .default_model import ensure_default_model

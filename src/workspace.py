@@ -6,7 +6,7 @@ same plan, so the two cannot drift apart.
   request-long buffers (live for the whole forward, reused by every layer):
     hidden [S, d]  residual stream          q [Hq, S, hd]   k, v [Hkv, P+S, hd]
   one chunk's buffers (reused by every chunk and layer), C = chunk size:
-    normed [C, d]   scratch32 [C, max(d, q_width)] float32   qkv [C, qkv_width]
+    normed [C, d]   scratch32 [C, max(d, q_width)] float32 (torch RMSNorm only)   qkv [C, qkv_width]
     o_rows [C, q_width]   proj [C, d]   gate_up [C, 2F]   act [C, F]
 """
 
@@ -36,7 +36,9 @@ class WorkspacePlan:
         return total
 
 
-def plan_workspace(spec: ModelSpec, new_tokens: int, chunk_size: int | None, dtype: torch.dtype, prefix_tokens: int = 0) -> WorkspacePlan:
+def plan_workspace(spec: ModelSpec, new_tokens: int, chunk_size: int | None, dtype: torch.dtype, prefix_tokens: int = 0,
+                   fp32_scratch: bool = True) -> WorkspacePlan:
+    """fp32_scratch=False: the compiled RMSNorm runs, scratch32 gets no rows (ops.rms_norm_needs_scratch)."""
     s, total = new_tokens, prefix_tokens + new_tokens
     c = s if not chunk_size or chunk_size >= s else int(chunk_size)
     d, f = spec.hidden_size, spec.intermediate_size
@@ -48,7 +50,7 @@ def plan_workspace(spec: ModelSpec, new_tokens: int, chunk_size: int | None, dty
         "k": ((hkv, total, hd), dtype),
         "v": ((hkv, total, hd), dtype),
         "normed": ((c, d), dtype),
-        "scratch32": ((c, max(d, spec.q_width)), f32),
+        "scratch32": ((c if fp32_scratch else 0, max(d, spec.q_width)), f32),
         "qkv": ((c, spec.qkv_width), dtype),
         "o_rows": ((c, spec.q_width), dtype),
         "proj": ((c, d), dtype),

@@ -6,10 +6,15 @@ i + (Lk - Lq) and sees keys 0..i + (Lk - Lq) (bottom-right-aligned causal mask).
 No S x S mask is ever built (DESIGN.md §8b).
 
 Backends:
+  "cpu_flash"  our compiled flash-attention kernel (cpu_attention.cpp): whole prompts and
+               cached-prefix suffixes in one pass, float32 / bfloat16, head_dim a multiple of 16
+               up to 256; it writes its output over Q (no second [Hq, S, D] tensor). Calls it
+               does not cover (other dtypes or head dims) run on sdpa.
   "sdpa"       torch scaled_dot_product_attention (CPU and CUDA).
   "flash_attn" flash-attn's flash_attn_func, CUDA only, when the package is importable
                (its causal mask is bottom-right aligned when Lq != Lk).
-  "auto"       flash_attn where available on CUDA, else sdpa.
+  "auto"       cpu_flash on CPU when the kernel is built and the CPU has AVX2 or AVX-512;
+               flash_attn where available on CUDA; else sdpa.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-BACKENDS = ("auto", "sdpa", "flash_attn")
+from . import cpu_ext
+
+BACKENDS = ("auto", "sdpa", "flash_attn", "cpu_flash")
 
 # Bound on one query block's mask (elements) on the Lq != Lk path: the masked SDPA path
 # materialises a [block, Lk] mask, so blocks keep it small at any key length.
@@ -35,20 +42,63 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "auto":
+        if device.type == "cpu":
+            return "cpu_flash" if cpu_ext.load_attention() is not None else "sdpa"
         return "flash_attn" if device.type == "cuda" and flash_attn_available() else "sdpa"
     if backend == "flash_attn" and not (device.type == "cuda" and flash_attn_available()):
         raise ValueError("attention backend 'flash_attn' needs CUDA and the flash-attn package")
+    if backend == "cpu_flash" and (device.type != "cpu" or cpu_ext.load_attention() is None):
+        why = "it runs on CPU only" if device.type != "cpu" else cpu_ext.why_attention_unavailable()
+        raise ValueError(f"attention backend 'cpu_flash' is unavailable: {why}")
     return backend
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: str = "sdpa") -> torch.Tensor:
-    """q: [Hq, Lq, D]; k, v: [Hkv, Lk, D] with Lk >= Lq and Hq % Hkv == 0. Returns [Hq, Lq, D]."""
+def cpu_flash_covers(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `backend` runs such attention on the compiled CPU kernel (else it falls back to SDPA)."""
+    return (backend == "cpu_flash" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and head_dim % 16 == 0 and head_dim <= 256 and cpu_ext.load_attention() is not None)
+
+
+def cpu_flash_applies(backend: str, q: torch.Tensor) -> bool:
+    return cpu_flash_covers(backend, q.device, q.dtype, q.shape[-1])
+
+
+def cpu_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                        isa: str | None = None) -> torch.Tensor:
+    """The compiled kernel: q [Hq, Lq, D], k/v [Hkv, Lk, D] -> out [Hq, Lq, D] (new, or the
+    given `out`, which may be q itself). `isa` forces avx2 / avx512 (default: the CPU's best,
+    or PREFILLONLY_CPU_ATTENTION_ISA)."""
+    kernel = cpu_ext.load_attention()
+    if kernel is None:
+        raise RuntimeError(f"CPU flash attention unavailable: {cpu_ext.why_attention_unavailable()}")
+    if out is None:
+        out = torch.empty_like(q)
+    kernel.flash_attention(q, k, v, out, float(scale), isa or cpu_ext.ATTENTION_ISA, 0, 0)
+    return out
+
+
+def cpu_flash_scratch_bytes(head_dim: int, group: int) -> int:
+    """Float32 scratch of one kernel call (per-thread Q/O/score tiles and one K/V block)."""
+    kernel = cpu_ext.load_attention()
+    return kernel.scratch_bytes(head_dim, group, torch.get_num_threads(), cpu_ext.ATTENTION_ISA, 0, 0)
+
+
+def _check_shapes(q, k) -> None:
     hq, lq, _ = q.shape
     hkv, lk, _ = k.shape
     if lk < lq or hq % hkv:
         raise ValueError(f"bad attention shapes q={tuple(q.shape)} k={tuple(k.shape)}")
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: str = "sdpa") -> torch.Tensor:
+    """q: [Hq, Lq, D]; k, v: [Hkv, Lk, D] with Lk >= Lq and Hq % Hkv == 0. Returns [Hq, Lq, D]."""
+    _check_shapes(q, k)
+    hq, lq, _ = q.shape
+    hkv, lk, _ = k.shape
     if backend == "flash_attn":
         return _flash_attn(q, k, v, scale)
+    if cpu_flash_applies(backend, q):
+        return cpu_flash_attention(q, k, v, scale)
     gqa = hq != hkv
     if lq == lk:
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=gqa)
@@ -69,14 +119,18 @@ def inplace_attention_supported(device: torch.device) -> bool:
 
 
 def causal_attention_inplace(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                             block: int = INPLACE_QUERY_BLOCK) -> torch.Tensor:
-    """causal_attention, written over q one query block at a time (CPU).
+                             block: int = INPLACE_QUERY_BLOCK, backend: str = "sdpa") -> torch.Tensor:
+    """causal_attention, written over q (CPU).
 
     A query block's output depends only on its own queries, so it can replace them: the
-    request then never holds a second [Hq, Lq, D] tensor (the attention output), only one
-    block's temporaries. Costs ~20% more attention time (two flash calls per block plus the
-    merge), so the engine uses it only when a prompt would not fit its memory budget otherwise.
+    request then never holds a second [Hq, Lq, D] tensor (the attention output). The compiled
+    kernel does this at no cost (each task reads its queries before it writes them). On SDPA it
+    goes one query block at a time, ~20% more attention time (two flash calls per block plus the
+    merge), so the engine uses it there only when a prompt would not fit its budget otherwise.
     """
+    _check_shapes(q, k)
+    if cpu_flash_applies(backend, q):
+        return cpu_flash_attention(q, k, v, scale, out=q)
     lq = q.shape[1]
     p = k.shape[1] - lq
     for i0 in range(0, lq, block):

@@ -1,13 +1,25 @@
-"""Builds and loads the compiled CPU kernels (cpu_ops.cpp).
+"""Builds and loads the compiled CPU kernels: the fused per-token ops (cpu_ops.cpp) and the
+flash-attention kernel (cpu_attention.cpp).
 
 Compiled on first use with torch's own extension builder (gcc + ninja, both in the set-up) and
 cached under torch's extensions directory (TORCH_EXTENSIONS_DIR, default
 ~/.cache/torch_extensions), so a machine pays the ~1-2 minute build once; `prefillonly prepare`
 (run by scripts/setup.sh) builds it ahead of serving and tests.
 
-If it cannot be built here (no compiler, say), `load()` returns None, the reason is logged once
-and kept in `why_unavailable()`, and every op falls back to its torch implementation.
-PREFILLONLY_CPU_KERNELS=0 forces the fallback (to compare the two).
+If one cannot be built here (no compiler, say), `load()` / `load_attention()` return None, the
+reason is logged once and kept in `why_unavailable()`, and the ops fall back to torch (the
+attention to SDPA). PREFILLONLY_CPU_KERNELS=0 forces the fallback (to compare the two).
+
+ISA safety. The per-token ops are compiled for the ISA of the host that builds them (ATen's
+Vectorized is only as wide as its CPU_CAPABILITY), under a module name that includes that ISA, so
+a host with other flags builds and loads its own copy instead of running foreign instructions.
+The attention kernel is compiled for baseline x86-64 with per-ISA regions inside and picks its
+instruction set at run time from the CPU's flags: one build runs anywhere.
+PREFILLONLY_CPU_ATTENTION_ISA=avx2|avx512 forces one of its paths (an error where the CPU
+lacks it); `auto` (the default) takes the best the CPU has.
+
+Both are built with -fopenmp: their loops split rows with at::parallel_for, which is a header
+template and runs serially unless the extension itself is compiled with OpenMP.
 """
 
 from __future__ import annotations
@@ -21,8 +33,12 @@ log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / "cpu_bindings.cpp", _HERE / "cpu_ops.cpp"]
+ATTENTION_SOURCES = [_HERE / "cpu_attention.cpp"]  # includes cpu_attention_body.h
+ATTENTION_ISA = os.environ.get("PREFILLONLY_CPU_ATTENTION_ISA", "auto")
+_OPENMP = ("-fopenmp",)  # a tuple: torch's load() appends its libraries to the list it is given
 _lock = threading.Lock()
 _state: dict = {}
+_attention_state: dict = {}
 
 
 def _cpu_flags() -> set[str]:
@@ -45,16 +61,34 @@ def _isa() -> tuple[str, list[str]]:
 
 
 def load():
-    """The compiled module, or None when it cannot be built here."""
+    """The compiled per-token ops, or None when they cannot be built here."""
     with _lock:
         if "module" not in _state:
-            _state["module"], _state["error"] = _build()
+            isa, flags = _isa()
+            _state["module"], _state["error"] = _build(f"prefillonly_cpu_kernels_{isa}", SOURCES, flags)
         return _state["module"]
 
 
 def why_unavailable() -> str | None:
     load()
     return _state["error"]
+
+
+def load_attention():
+    """The compiled flash-attention kernel, or None when it cannot be built here or the CPU has
+    none of its instruction sets (then attention runs on torch SDPA)."""
+    with _lock:
+        if "module" not in _attention_state:
+            module, error = _build("prefillonly_cpu_attention", ATTENTION_SOURCES, [])
+            if module is not None and not module.supported_isas():
+                module, error = None, "the CPU has neither AVX2+FMA nor AVX-512"
+            _attention_state["module"], _attention_state["error"] = module, error
+        return _attention_state["module"]
+
+
+def why_attention_unavailable() -> str | None:
+    load_attention()
+    return _attention_state["error"]
 
 
 def _put_ninja_on_path() -> None:
@@ -70,19 +104,18 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
-def _build():
+def _build(name: str, sources: list[Path], flags: list[str]):
     if os.environ.get("PREFILLONLY_CPU_KERNELS", "1") == "0":
         return None, "disabled by PREFILLONLY_CPU_KERNELS=0"
     try:
         from torch.utils.cpp_extension import load as load_extension
 
         _put_ninja_on_path()
-        isa, flags = _isa()
-        module = load_extension(name=f"prefillonly_cpu_kernels_{isa}", sources=[str(s) for s in SOURCES],
-                                extra_cflags=["-O3", *flags], verbose=False)
+        module = load_extension(name=name, sources=[str(s) for s in sources], extra_cflags=["-O3", *_OPENMP, *flags],
+                                extra_ldflags=list(_OPENMP), verbose=False)
         return module, None
     except Exception as e:  # no compiler / ninja / headers: the torch ops still work
         text = str(e).strip()
         reason = f"{type(e).__name__}: {text.splitlines()[-1] if text else ''}"
-        log.warning("prefillonly: compiled CPU kernels unavailable, using torch ops (%s)", reason)
+        log.warning("prefillonly: compiled CPU kernel %s unavailable, using torch ops (%s)", name, reason)
         return None, reason

@@ -23,6 +23,13 @@ def compiled_ops(t: torch.Tensor):
     return cpu_ext.load()
 
 
+def rms_norm_needs_scratch(device: torch.device, dtype: torch.dtype, qk_norm: bool) -> bool:
+    """Whether rms_norm_into will use its float32 scratch: only on the torch path (no compiled
+    kernel here, or Qwen3's per-head q/k norms, which are 3-d views). The workspace leaves the
+    scratch out otherwise, so the memory prediction counts no buffer that is never touched."""
+    return qk_norm or compiled_ops(torch.empty(0, device=device, dtype=dtype)) is None
+
+
 def rope_table_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     """The dtype rope_into wants its cos/sin tables in: float32 for the compiled kernel."""
     return torch.float32 if compiled_ops(torch.empty(0, device=device, dtype=dtype)) is not None else dtype
