@@ -118,7 +118,7 @@ def inner_ours_offline(args) -> dict:
     trace = wl.load_trace(args.trace)
     longest = max(len(r.prompt_token_ids) for r in trace.requests)
     t0 = time.perf_counter()
-    engine = Engine(EngineConfig(dtype="bfloat16", threads=args.threads,
+    engine = Engine(EngineConfig(dtype=args.dtype, threads=args.threads, attention_backend=args.attention_backend,
                                  max_input_len=longest if longest > 8192 else None))
     load_s = time.perf_counter() - t0
     allowed = trace.allowed_token_ids
@@ -187,12 +187,13 @@ def inner_hf_offline(args) -> dict:
             "prefix_cache_hit_fraction": 0.0, "peak_rss_bytes": bu.status_bytes("VmHWM"), "per_request": per_request}
 
 
-def run_fresh_process(inner: str, trace_file: Path, out: Path, args, timeout_s: float) -> dict:
-    """This script's hidden subcommand `inner` in a fresh main-venv process; its JSON result."""
+def run_fresh_process(inner: str, trace_file: Path, out: Path, args, timeout_s: float, extra: tuple[str, ...] = ()) -> dict:
+    """This script's hidden subcommand `inner` in a fresh main-venv process; its JSON result.
+    `extra`: more arguments of the inner command (e.g. --attention-backend sdpa for _ours-offline)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), inner, "--trace", str(trace_file), "--out", str(out),
-           "--threads", str(args.threads)]
+           "--threads", str(args.threads), *extra]
     proc = subprocess.run(cmd, cwd=bu.REPO_ROOT, timeout=timeout_s, stdout=None, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0 or not out.is_file():
         raise RuntimeError(f"{inner} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -766,6 +767,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         q.add_argument("--trace", required=True)
         q.add_argument("--out", required=True)
         q.add_argument("--threads", type=int, default=2)
+        if name == "_ours-offline":  # A/B runs of our engine (perf/bench_attention.py --end-to-end)
+            q.add_argument("--dtype", default="bfloat16")
+            q.add_argument("--attention-backend", default="auto")
     args = p.parse_args(argv)
     if not args.command.startswith("_"):
         args.scale = args.scale or ("tiny" if args.quick else "cpu")

@@ -63,7 +63,9 @@ def test_bad_shapes_and_backends_are_clear_errors():
         causal_attention(torch.zeros(4, 10, 8), torch.zeros(4, 5, 8), torch.zeros(4, 5, 8), 1.0)
     with pytest.raises(ValueError, match="unknown attention backend"):
         resolve_backend("magic", torch.device("cpu"))
-    assert resolve_backend("auto", torch.device("cpu")) == "sdpa"
+    from prefillonly.kernels import cpu_ext
+
+    assert resolve_backend("auto", torch.device("cpu")) == ("cpu_flash" if cpu_ext.load_attention() is not None else "sdpa")
 
 
 @pytest.mark.parametrize("lq,lk", [(37, 37), (100, 100), (45, 130), (1, 60)])
