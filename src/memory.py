@@ -16,9 +16,11 @@ from .workspace import plan_workspace
 
 _PAGE = 4096  # an allocation may touch one page more than its size (its header, the rounding)
 # A forward's allocations that are not tensors (Python objects, per-call library buffers, thread
-# arenas): a 16-token forward grows the RSS by 0.4-0.7 MiB (memory_probe's small_forward_bytes,
-# which tests/test_memory.py checks against this allowance).
-UNSEEN_BYTES = 1 << 20
+# arenas, heap fragmentation of the small ones): a 16-token forward grows the RSS by 0.4-0.7 MiB
+# (memory_probe's small_forward_bytes, which tests/test_memory.py checks against this), a
+# 16K-token fp32 forward by up to 1.5 MiB more than its tensors (RSS peak minus the plan, which
+# matches torch's own allocation trace within 0.3 MiB; seen on an AVX2 host, 2026-12).
+UNSEEN_BYTES = 2 << 20
 
 # The compiled CPU kernel (backend "cpu_flash") writes over Q and allocates only its float32
 # scratch, which it reports itself (cpu_flash_scratch_bytes): nothing to estimate.
