@@ -25,6 +25,7 @@ import time
 
 import torch
 
+import bench_core
 import benchutil as bu
 
 SHAPES = [("causal", 2048, 0), ("causal", 4096, 0), ("causal", 8192, 0),
@@ -50,9 +51,8 @@ def rate(fn, flops: float, seconds: float) -> float:
 
 
 def matmul_rate(dtype: torch.dtype, seconds: float) -> float:
-    m, k, n = MATMUL
-    x, w = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
-    return rate(lambda: x @ w.t(), 2 * m * k * n, seconds)
+    """x @ W.T as the executor multiplies (bench_core's measurement, median of its windows)."""
+    return bench_core.matmul_rate(*MATMUL, dtype, weight_transposed=True, seconds=seconds)
 
 
 def measure(args) -> dict:

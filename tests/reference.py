@@ -1,4 +1,5 @@
-"""transformers' own forward as the reference: last-position log-probabilities."""
+"""References for the numeric tests: transformers' own forward (last-position log-probabilities)
+and explicit float64 attention."""
 
 from __future__ import annotations
 
@@ -19,3 +20,17 @@ def load_hf(folder: str, dtype: torch.dtype):
 
 def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max())
+
+
+def attention_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(QK^T * scale)V in float64 with a bottom-right causal mask: q [Hq, Lq, D], k/v
+    [Hkv, Lk, D]; query i sits at key position Lk - Lq + i; query heads share KV heads in groups."""
+    hq, lq, _ = q.shape
+    hkv, lk, _ = k.shape
+    g = hq // hkv
+    k = k.double().repeat_interleave(g, 0)
+    v = v.double().repeat_interleave(g, 0)
+    scores = q.double() @ k.transpose(1, 2) * scale
+    qpos = torch.arange(lq)[:, None] + (lk - lq)
+    scores = scores.masked_fill(torch.arange(lk)[None, :] > qpos, float("-inf"))
+    return scores.softmax(-1) @ v

@@ -8,18 +8,7 @@ import torch
 from prefillonly.kernels import attention as attn_mod
 from prefillonly.kernels.attention import causal_attention, resolve_backend
 
-
-def reference(q, k, v, scale):
-    hq, lq, _ = q.shape
-    hkv, lk, _ = k.shape
-    g = hq // hkv
-    k = k.double().repeat_interleave(g, 0)
-    v = v.double().repeat_interleave(g, 0)
-    scores = q.double() @ k.transpose(1, 2) * scale
-    qpos = torch.arange(lq)[:, None] + (lk - lq)
-    kpos = torch.arange(lk)[None, :]
-    scores = scores.masked_fill(kpos > qpos, float("-inf"))
-    return scores.softmax(-1) @ v
+from .reference import attention_float64 as reference
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (3, 1)])

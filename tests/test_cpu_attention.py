@@ -10,6 +10,8 @@ import torch
 from prefillonly.kernels import cpu_ext
 from prefillonly.kernels.attention import causal_attention, causal_attention_inplace, cpu_flash_attention, resolve_backend
 
+from .reference import attention_float64 as reference
+
 
 @pytest.fixture(scope="module")
 def kernel():
@@ -28,19 +30,6 @@ def isa(request, kernel):
     if request.param not in kernel.supported_isas():
         pytest.skip(f"this CPU lacks {request.param}: that path was not run")
     return request.param
-
-
-def reference(q, k, v, scale):
-    """float64 attention of the given (already rounded) inputs; query i sits at key Lk - Lq + i."""
-    hq, lq, _ = q.shape
-    hkv, lk, _ = k.shape
-    g = hq // hkv
-    k = k.double().repeat_interleave(g, 0)
-    v = v.double().repeat_interleave(g, 0)
-    scores = q.double() @ k.transpose(1, 2) * scale
-    qpos = torch.arange(lq)[:, None] + (lk - lq)
-    scores = scores.masked_fill(torch.arange(lk)[None, :] > qpos, float("-inf"))
-    return scores.softmax(-1) @ v
 
 
 def inputs(hkv, group, lq, prefix, d, dtype, seed):

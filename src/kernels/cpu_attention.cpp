@@ -73,42 +73,44 @@ struct Scratch {  // one thread's float32 buffers; shapes in cpu_attention_body.
   float* l;
 };
 
+// Visits the task's rows: row r = i * group + g is query head h * group + g at position i0 + i;
+// `at` is that row's element offset in a tensor of the given head and row strides.
+template <typename F>
+void for_each_task_row(const Problem& p, int64_t h, int64_t i0, int64_t nq, int64_t head_stride, int64_t row_stride, F&& f) {
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t gg = 0; gg < p.group; ++gg) f(i * p.group + gg, (h * p.group + gg) * head_stride + (i0 + i) * row_stride);
+}
+
 // Q rows of the task -> Q^T [d][rp], zero columns for the padding rows.
 void pack_queries(const Problem& p, int64_t h, int64_t i0, int64_t nq, int64_t rp, float* qt) {
-  const int64_t g = p.group, d = p.d;
-  for (int64_t i = 0; i < nq; ++i) {
-    for (int64_t gg = 0; gg < g; ++gg) {
-      const int64_t r = i * g + gg, at = (h * g + gg) * p.q_head_stride + (i0 + i) * p.q_row_stride;
-      if (p.bf16) {
-        const uint16_t* src = static_cast<const uint16_t*>(p.q) + at;
-        for (int64_t x = 0; x < d; ++x) qt[x * rp + r] = bf16_to_float(src[x]);
-      } else {
-        const float* src = static_cast<const float*>(p.q) + at;
-        for (int64_t x = 0; x < d; ++x) qt[x * rp + r] = src[x];
-      }
+  const int64_t d = p.d;
+  for_each_task_row(p, h, i0, nq, p.q_head_stride, p.q_row_stride, [&](int64_t r, int64_t at) {
+    if (p.bf16) {
+      const uint16_t* src = static_cast<const uint16_t*>(p.q) + at;
+      for (int64_t x = 0; x < d; ++x) qt[x * rp + r] = bf16_to_float(src[x]);
+    } else {
+      const float* src = static_cast<const float*>(p.q) + at;
+      for (int64_t x = 0; x < d; ++x) qt[x * rp + r] = src[x];
     }
-  }
-  for (int64_t r = nq * g; r < rp; ++r)
+  });
+  for (int64_t r = nq * p.group; r < rp; ++r)
     for (int64_t x = 0; x < d; ++x) qt[x * rp + r] = 0.f;
 }
 
 // O^T / l -> the output rows of the task (which may be the query rows themselves: they were
 // packed before anything was written).
 void write_output(const Problem& p, int64_t h, int64_t i0, int64_t nq, int64_t rp, const float* ot, const float* l) {
-  const int64_t g = p.group, d = p.d;
-  for (int64_t i = 0; i < nq; ++i) {
-    for (int64_t gg = 0; gg < g; ++gg) {
-      const int64_t r = i * g + gg, at = (h * g + gg) * p.o_head_stride + (i0 + i) * p.o_row_stride;
-      const float inv = 1.f / l[r];
-      if (p.bf16) {
-        uint16_t* dst = static_cast<uint16_t*>(p.out) + at;
-        for (int64_t x = 0; x < d; ++x) dst[x] = float_to_bf16(ot[x * rp + r] * inv);
-      } else {
-        float* dst = static_cast<float*>(p.out) + at;
-        for (int64_t x = 0; x < d; ++x) dst[x] = ot[x * rp + r] * inv;
-      }
+  const int64_t d = p.d;
+  for_each_task_row(p, h, i0, nq, p.o_head_stride, p.o_row_stride, [&](int64_t r, int64_t at) {
+    const float inv = 1.f / l[r];
+    if (p.bf16) {
+      uint16_t* dst = static_cast<uint16_t*>(p.out) + at;
+      for (int64_t x = 0; x < d; ++x) dst[x] = float_to_bf16(ot[x * rp + r] * inv);
+    } else {
+      float* dst = static_cast<float*>(p.out) + at;
+      for (int64_t x = 0; x < d; ++x) dst[x] = ot[x * rp + r] * inv;
     }
-  }
+  });
 }
 
 #pragma GCC push_options
@@ -173,7 +175,7 @@ struct V {
 
 struct IsaEntry {
   const char* name;
-  int lanes, tile_cols;  // W and NV * W of its register tile
+  int tile_cols;  // NV * W of its register tile: task rows are padded to a multiple of it
   bool (*supported)();
   void (*task)(const Problem&, int64_t, int64_t, int64_t, const Scratch&);
   void (*exp2)(const float*, float*, int64_t);
@@ -191,8 +193,8 @@ bool has_avx512() {
 
 // best first
 const IsaEntry kIsas[] = {
-    {"avx512", avx512::V::W, avx512::V::NV * avx512::V::W, has_avx512, avx512::run_task, avx512::exp2_array},
-    {"avx2", avx2::V::W, avx2::V::NV * avx2::V::W, has_avx2, avx2::run_task, avx2::exp2_array},
+    {"avx512", avx512::V::NV * avx512::V::W, has_avx512, avx512::run_task, avx512::exp2_array},
+    {"avx2", avx2::V::NV * avx2::V::W, has_avx2, avx2::run_task, avx2::exp2_array},
 };
 
 const IsaEntry& pick_isa(const std::string& name) {
@@ -213,9 +215,22 @@ int64_t queries_per_task(int64_t group, int64_t task_rows) { return task_rows / 
 
 int64_t padded_rows(const IsaEntry& e, int64_t rows) { return (rows + e.tile_cols - 1) / e.tile_cols * e.tile_cols; }
 
+// One thread's scratch cut from `base` (nullptr: only the size); rp = padded rows of a full task.
+// Returns the number of floats it takes.
+int64_t carve_scratch(float* base, int64_t d, int64_t rp, int64_t block_k, Scratch* s) {
+  const int64_t sizes[] = {d * rp, d * rp, block_k * rp, block_k * d, block_k * d, rp, rp};  // qt ot st kf vf m l
+  float** slots[] = {&s->qt, &s->ot, &s->st, &s->kf, &s->vf, &s->m, &s->l};
+  int64_t offset = 0;
+  for (int i = 0; i < 7; ++i) {
+    if (base != nullptr) *slots[i] = base + offset;
+    offset += sizes[i];
+  }
+  return offset;
+}
+
 int64_t scratch_floats_per_thread(const IsaEntry& e, int64_t d, int64_t group, int64_t block_k, int64_t task_rows) {
-  const int64_t rp = padded_rows(e, queries_per_task(group, task_rows) * group);
-  return 2 * d * rp + block_k * rp + 2 * block_k * d + 2 * rp + 16;
+  Scratch unused{};
+  return carve_scratch(nullptr, d, padded_rows(e, queries_per_task(group, task_rows) * group), block_k, &unused);
 }
 
 }  // namespace pfa
@@ -254,11 +269,8 @@ void flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      float* base = scratch.data_ptr<float>() + t * per_thread;
-      const int64_t rp = padded_rows(e, p.block_q * p.group);
       Scratch s{};
-      s.qt = base, s.ot = s.qt + d * rp, s.st = s.ot + d * rp, s.kf = s.st + p.block_k * rp;
-      s.vf = s.kf + p.block_k * d, s.m = s.vf + p.block_k * d, s.l = s.m + rp;
+      carve_scratch(scratch.data_ptr<float>() + t * per_thread, d, padded_rows(e, p.block_q * p.group), p.block_k, &s);
       for (int64_t task; (task = next.fetch_add(1)) < tasks;) {
         const int64_t qb = q_blocks - 1 - task / hkv, h = task % hkv;  // latest (longest) query blocks first
         const int64_t i0 = qb * p.block_q;
@@ -275,16 +287,10 @@ int64_t scratch_bytes(int64_t head_dim, int64_t group, int64_t threads, const st
                                                       task_rows > 0 ? task_rows : pfa::kDefaultTaskRows);
 }
 
-std::vector<std::string> supported_isas() {
+std::vector<std::string> isa_names(bool supported_only) {
   std::vector<std::string> names;
   for (const auto& e : pfa::kIsas)
-    if (e.supported()) names.emplace_back(e.name);
-  return names;
-}
-
-std::vector<std::string> compiled_isas() {
-  std::vector<std::string> names;
-  for (const auto& e : pfa::kIsas) names.emplace_back(e.name);
+    if (!supported_only || e.supported()) names.emplace_back(e.name);
   return names;
 }
 
@@ -298,7 +304,7 @@ at::Tensor exp2_nonpositive(const at::Tensor& x, const std::string& isa) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("flash_attention", &flash_attention, "causal flash attention (bottom-right aligned), out may be q");
   m.def("scratch_bytes", &scratch_bytes, "float32 scratch bytes of one flash_attention call");
-  m.def("supported_isas", &supported_isas, "ISAs this CPU can run, best first");
-  m.def("compiled_isas", &compiled_isas, "ISAs compiled into this build");
+  m.def("supported_isas", [] { return isa_names(true); }, "ISAs this CPU can run, best first");
+  m.def("compiled_isas", [] { return isa_names(false); }, "ISAs compiled into this build");
   m.def("exp2_nonpositive", &exp2_nonpositive, "the kernel's 2^x for x <= 0 (accuracy tests)");
 }
