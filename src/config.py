@@ -15,6 +15,7 @@ from .errors import ConfigError
 from .kernels.attention import BACKENDS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 64
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
 
@@ -37,6 +38,9 @@ class EngineConfig:
     cache_block_size: int = 64  # tokens per cached block (the unit of prefix reuse)
     cache_second_tier_bytes: int = 0  # blocks evicted from the pool go here (host memory); 0 = off
     max_items: int = 256  # most items one multi-item request may carry
+    max_prompts_per_request: int | None = None  # most prompts (text_input values) in one server request; None = 64 or max_waiting if smaller
+    max_allowed_tokens: int = 256  # most allowed output tokens in one request
+    max_prompt_bytes: int | None = None  # bytes of one prompt/item text; None = max_input_len x the longest token's bytes
     scheduling_policy: str = "csjf"  # fcfs | sjf | csjf (continuous JCT-calibrated shortest job first)
     lambda_tokens_per_s: float = 500.0  # csjf starvation guard: tokens of credit per second waited
     max_waiting: int = 1024  # waiting requests beyond this are refused at once ("overloaded")
@@ -62,6 +66,15 @@ class EngineConfig:
         self.cache_second_tier_bytes = _optional_int("cache_second_tier_bytes", self.cache_second_tier_bytes, minimum=0) or 0
         self.max_items = _optional_int("max_items", self.max_items, minimum=1)
         self.max_waiting = _optional_int("max_waiting", self.max_waiting, minimum=1)
+        self.max_prompts_per_request = _optional_int("max_prompts_per_request", self.max_prompts_per_request, minimum=1)
+        if self.max_prompts_per_request is None:
+            self.max_prompts_per_request = min(DEFAULT_MAX_PROMPTS_PER_REQUEST, self.max_waiting)
+        self.max_allowed_tokens = _optional_int("max_allowed_tokens", self.max_allowed_tokens, minimum=1)
+        self.max_prompt_bytes = _optional_int("max_prompt_bytes", self.max_prompt_bytes, minimum=1)
+        if self.max_prompts_per_request > self.max_waiting:
+            # such a request could never be queued whole: it would be answered "overloaded" forever
+            raise ConfigError(f"max_prompts_per_request {self.max_prompts_per_request} is over max_waiting "
+                              f"{self.max_waiting}; lower it or raise max_waiting")
         from .scheduler.policy import POLICIES
 
         self.scheduling_policy = str(self.scheduling_policy).lower()

@@ -42,9 +42,10 @@ from .errors import (
 )
 from .executor import HybridPrefillExecutor
 from .kernels.attention import inplace_attention_supported, resolve_backend
+from .limits import RequestLimits, max_token_bytes
 from .memory import PeakMemoryMeter, available_memory_bytes, predict_peak_bytes
 from .model_spec import ModelSpec
-from .prompts import PromptEncoder
+from .prompts import PromptEncoder, decode_utf8
 from .result import ScoreResult
 from .scheduler import JctEstimator, Scheduler, WaitingRequest
 from .scoring import build_result
@@ -69,10 +70,13 @@ class Engine:
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         weights = ModelWeights.load(self.model_path, self.spec, self.dtype, self.device)
+        self.weight_bytes = weights.nbytes()
         backend = resolve_backend(config.attention_backend, self.device)
         self.executor = HybridPrefillExecutor(self.spec, weights, self.dtype, self.device, backend)
-        self.encoder = PromptEncoder(_load_tokenizer(self.model_path), self.spec.vocab_size)
+        tokenizer = _load_tokenizer(self.model_path)
         self.max_input_len = config.max_input_len or self.spec.context_length
+        self.limits = _request_limits(config, self.max_input_len, tokenizer)
+        self.encoder = PromptEncoder(tokenizer, self.spec.vocab_size, self.limits)
         if self.max_input_len > self.spec.context_length:
             log.warning(
                 "max_input_len %d exceeds the model's context length %d (explicit override)",
@@ -168,6 +172,8 @@ class Engine:
             waiting = len(self.scheduler)
         out = {"waiting": waiting, **self.counters, "jct_mean_abs_rel_error": self.jct.mean_abs_relative_error(),
                "tokens_computed": self.executor.tokens_computed}
+        out["budget_bytes"] = {"weights": self.weight_bytes, "activation": self.activation_budget_bytes,
+                               **{f"cache_tier{t}": b for t, b in (self.cache.capacity_bytes() if self.cache else {}).items()}}
         if self.cache is not None:
             out["cache"] = vars(self.cache.stats).copy()
             out["cache_bytes_in_use"] = self.cache.bytes_in_use()
@@ -379,15 +385,18 @@ class Engine:
             raise InvalidRequestError("items must be a list of item texts or token-id lists")
         if len(items) == 0:
             raise InvalidRequestError("items is empty; give at least one item")
-        if len(items) > self.config.max_items:
-            raise InvalidRequestError(f"{len(items)} items is over the limit of {self.config.max_items} per request (max_items)")
+        self.limits.check_count(len(items), "items", "max_items")
+        if template is not None:
+            _check_item_template(template)
+            self.limits.check_text(template, "item_template")
         out = []
         for i, item in enumerate(items):
+            if isinstance(item, (bytes, bytearray)):
+                self.limits.check_text(item, f"item {i}")  # before decoding it
+                item = decode_utf8(bytes(item), f"item {i}")
             if template is not None and isinstance(item, str):
-                try:
-                    item = template.format(item=item)
-                except (KeyError, IndexError, ValueError) as e:
-                    raise InvalidRequestError(f"item_template {template!r} is not usable: {e}; use {{item}}") from None
+                self.limits.check_text(item, f"item {i}")  # before the template copies it
+                item = template.replace(ITEM_PLACEHOLDER, item)
             out.append(self.encoder.encode_prompt(item, what=f"item {i}", add_special_tokens=False))
         return out
 
@@ -403,6 +412,27 @@ class RequestFuture(Future):
 class _Job:
     future: Future
     run: Callable[[], object]
+
+
+ITEM_PLACEHOLDER = "{item}"
+
+
+def _check_item_template(template) -> None:
+    """Only the literal {item} is replaced; everything else is text (no format specs, no fields:
+    str.format would let a client ask for `{item:>4000000}` or `{item.__class__}`)."""
+    if not isinstance(template, str):
+        raise InvalidRequestError(f"item_template must be a string, got {type(template).__name__}")
+    if ITEM_PLACEHOLDER not in template:
+        raise InvalidRequestError(f"item_template {template[:80]!r} has no {ITEM_PLACEHOLDER}: each item would be lost")
+
+
+def _request_limits(config: EngineConfig, max_input_len: int, tokenizer) -> RequestLimits:
+    token_bytes = max_token_bytes(tokenizer)
+    # no tokenizer: prompts are token ids, and a text is refused anyway
+    derived = max_input_len * token_bytes if token_bytes else max_input_len
+    return RequestLimits(max_prompt_bytes=config.max_prompt_bytes or derived,
+                         max_prompts_per_request=config.max_prompts_per_request, max_items=config.max_items,
+                         max_allowed_tokens=config.max_allowed_tokens, max_token_bytes=token_bytes)
 
 
 def _check_namespace(namespace, user) -> str | None:

@@ -10,18 +10,23 @@ import numbers
 from collections.abc import Sequence
 
 from .errors import InvalidRequestError
+from .limits import RequestLimits
 
 
 class PromptEncoder:
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer, vocab_size: int, limits: RequestLimits | None = None):
         self.tokenizer = tokenizer  # a transformers tokenizer, or None for id-only models
         self.vocab_size = vocab_size
+        self.limits = limits  # None: no size limits (tests of the encoding alone)
 
     def encode_prompt(self, prompt, apply_chat_template: bool = False, what: str = "prompt", add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text/bytes/ids prompt. Items of a multi-item request are encoded with
-        add_special_tokens=False (no BOS in the middle of a sequence)."""
+        add_special_tokens=False (no BOS in the middle of a sequence). A text over the byte limit
+        is refused before it is decoded or tokenized."""
+        if self.limits is not None:
+            self.limits.check_text(prompt, what)
         if isinstance(prompt, (bytes, bytearray)):
-            prompt = _decode_utf8(bytes(prompt), what)
+            prompt = decode_utf8(bytes(prompt), what)
         if isinstance(prompt, str):
             _check_encodable(prompt, what)
             if not prompt:
@@ -50,10 +55,12 @@ class PromptEncoder:
         items = allowed.tolist() if hasattr(allowed, "tolist") else list(allowed)
         if not items:
             raise InvalidRequestError("allowed_tokens is empty; give at least one token")
+        if self.limits is not None:
+            self.limits.check_count(len(items), "allowed tokens", "max_allowed_tokens")
         ids = []
         for item in items:
             if isinstance(item, (bytes, bytearray)):
-                item = _decode_utf8(bytes(item), "allowed token")
+                item = decode_utf8(bytes(item), "allowed token")
             if isinstance(item, str):
                 ids.append(self._single_token(item))
             else:
@@ -71,6 +78,10 @@ class PromptEncoder:
         return self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
 
     def _single_token(self, text: str) -> int:
+        if self.limits is not None and self.limits.max_token_bytes and len(text) > self.limits.max_token_bytes:
+            # cheap refusal of a huge "token" before the tokenizer sees it
+            raise InvalidRequestError(f"allowed token of {len(text):,} characters is longer than any token of this model "
+                                      f"(the longest is {self.limits.max_token_bytes} bytes); each must be exactly one token")
         _check_encodable(text, "allowed token")
         if not text:
             raise InvalidRequestError("allowed token '' is empty")
@@ -108,7 +119,7 @@ class PromptEncoder:
         return value
 
 
-def _decode_utf8(data: bytes, what: str) -> str:
+def decode_utf8(data: bytes, what: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

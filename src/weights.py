@@ -45,6 +45,12 @@ class ModelWeights:
     final_norm: torch.Tensor  # [d]
     lm_head: torch.Tensor  # [vocab, d]; the same tensor as embed when tied
 
+    def nbytes(self) -> int:
+        """Bytes of every weight tensor, a tied head counted once."""
+        tensors = [self.embed, self.final_norm, self.lm_head]
+        tensors += [t for layer in self.layers for t in vars(layer).values() if t is not None]
+        return sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in tensors}.values())
+
     @classmethod
     def load(cls, folder: str, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> "ModelWeights":
         reader = _SafetensorsFolder(folder)

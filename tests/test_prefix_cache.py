@@ -238,7 +238,7 @@ def test_bad_cache_arguments(folder, kwargs, match):
 @pytest.mark.parametrize("items,match", [
     ([], "items is empty"),
     ("abc", "items must be a list"),
-    ([[1, 2]] * 5, "5 items is over the limit of 4"),
+    ([[1, 2]] * 5, r"too many items: 5, the limit is 4 per request \(max_items\)"),
     ([[1, 2], []], "item 1 is empty"),
     ([[1, 999]], "item 0 token id 999 is outside the vocabulary"),
 ])

@@ -22,6 +22,7 @@ _METRICS = [
         (("outcome", "overloaded"),): lambda s: s.get("rejected:overloaded", 0),
         (("outcome", "deadline_exceeded"),): lambda s: s.get("rejected:deadline_exceeded", 0),
         (("outcome", "cancelled"),): lambda s: s.get("cancelled", 0),
+        (("outcome", "engine_closed"),): lambda s: s.get("rejected:engine_closed", 0),
     }),
     ("prefillonly_prompt_tokens_total", "COUNTER", "Prompt tokens computed vs served from the prefix cache", {
         (("source", "computed"),): lambda s: s.get("cache", {}).get("miss_tokens", s["tokens_computed"]),
@@ -35,6 +36,10 @@ _METRICS = [
         (("event", "evicted"),): lambda s: s.get("cache", {}).get("blocks_evicted", 0),
         (("event", "offloaded"),): lambda s: s.get("cache", {}).get("blocks_offloaded", 0),
         (("event", "restored"),): lambda s: s.get("cache", {}).get("blocks_restored", 0),
+    }),
+    ("prefillonly_memory_budget_bytes", "GAUGE", "Memory the engine may use: weights, activation budget, cache tiers", {
+        (("kind", kind),): (lambda s, kind=kind: s["budget_bytes"].get(kind, 0))
+        for kind in ("weights", "activation", "cache_tier1", "cache_tier2")
     }),
     ("prefillonly_jct_estimate_error", "GAUGE", "Mean absolute relative error of the JCT estimate", {
         (): lambda s: s.get("jct_mean_abs_rel_error") or 0.0,

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import InvalidRequestError, PrefillOnlyError
+from ..limits import RequestLimits
 from ..result import ScoreResult
 
 INPUTS = {
@@ -73,8 +74,10 @@ class ScoreCall:
     options: dict = field(default_factory=dict)  # keyword arguments for Engine.submit / submit_items
 
 
-def parse_request(tensors: dict[str, np.ndarray]) -> ScoreCall:
-    """Validate and convert one request's input tensors; InvalidRequestError names the problem."""
+def parse_request(tensors: dict[str, np.ndarray], limits: RequestLimits | None = None) -> ScoreCall:
+    """Validate and convert one request's input tensors; InvalidRequestError names the problem.
+    Cheap by design (it runs on the thread that takes Triton's requests): counts and byte
+    lengths are checked against `limits` before any text is decoded; tokenizing is the engine's."""
     unknown = sorted(set(tensors) - set(INPUTS))
     if unknown:
         raise InvalidRequestError(f"unknown input(s) {', '.join(unknown)}; known: {', '.join(INPUTS)}")
@@ -83,13 +86,20 @@ def parse_request(tensors: dict[str, np.ndarray]) -> ScoreCall:
         raise InvalidRequestError("give exactly one of text_input (text) or input_ids (token ids)" if has_text
                                   else "missing prompt: give text_input (text) or input_ids (token ids)")
     if has_text:
-        prompts = [_text(x, "text_input") for x in _flat(tensors["text_input"])]
+        texts = _flat(tensors["text_input"])
+        if limits is not None:
+            limits.check_count(len(texts), "prompts (text_input values)", "max_prompts_per_request")
+        prompts = [_text(x, "text_input", limits) for x in texts]
         if not prompts:
             raise InvalidRequestError("text_input is empty")
     else:
         prompts = [_ints(tensors["input_ids"], "input_ids")]
-    allowed = [_text(x, "allowed_tokens") for x in _flat(tensors.get("allowed_tokens", []))]
-    allowed += _ints(tensors.get("allowed_token_ids", np.zeros(0, np.int64)), "allowed_token_ids")
+    allowed_texts = _flat(tensors.get("allowed_tokens", []))
+    allowed_ids = np.asarray(tensors.get("allowed_token_ids", np.zeros(0, np.int64)))
+    if limits is not None:
+        limits.check_count(len(allowed_texts) + allowed_ids.size, "allowed tokens", "max_allowed_tokens")
+    allowed = [_text(x, "allowed_tokens", limits) for x in allowed_texts]
+    allowed += _ints(allowed_ids, "allowed_token_ids")
     if not allowed:
         raise InvalidRequestError("missing allowed tokens: give allowed_tokens (strings) and/or allowed_token_ids")
     options = {}
@@ -102,11 +112,14 @@ def parse_request(tensors: dict[str, np.ndarray]) -> ScoreCall:
         options["user"] = _text(_scalar(tensors["user"], "user"), "user")
     items = None
     if "items" in tensors:
-        items = [_text(x, "items") for x in _flat(tensors["items"])]
+        item_texts = _flat(tensors["items"])
+        if limits is not None:
+            limits.check_count(len(item_texts), "items", "max_items")
+        items = [_text(x, "items", limits) for x in item_texts]
         if len(prompts) != 1:
             raise InvalidRequestError("items need exactly one shared prompt, got several text_input values")
         if "item_template" in tensors:
-            options["item_template"] = _text(_scalar(tensors["item_template"], "item_template"), "item_template")
+            options["item_template"] = _text(_scalar(tensors["item_template"], "item_template"), "item_template", limits)
     elif "item_template" in tensors:
         raise InvalidRequestError("item_template given without items")
     return ScoreCall(prompts=prompts, allowed=allowed, items=items, options=options)
@@ -129,7 +142,9 @@ def _flat(a) -> list:
     return list(np.asarray(a, dtype=object).reshape(-1)) if np.size(a) else []
 
 
-def _text(value, name: str) -> str:
+def _text(value, name: str, limits: RequestLimits | None = None) -> str:
+    if limits is not None:
+        limits.check_text(value, name)  # np.bytes_ is bytes
     if isinstance(value, (bytes, bytearray, np.bytes_)):
         try:
             return bytes(value).decode("utf-8")

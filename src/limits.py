@@ -1,0 +1,50 @@
+"""Per-request size limits, checked before any expensive work (tokenizing, queueing).
+
+A request is refused with InvalidRequestError naming the limit it broke, so no single request can
+hold the tokenizer (or the queue) long enough to stall other clients. The byte bound on a text is
+derived, not guessed: a token is at most `max_token_bytes` bytes of text, so a text longer than
+max_input_len * max_token_bytes bytes cannot fit in max_input_len tokens, whatever it contains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_prompt_bytes: int  # bytes of one prompt, item or template text
+    max_prompts_per_request: int  # independent prompts in one Triton request (text_input values)
+    max_items: int  # items of one multi-item request
+    max_allowed_tokens: int  # allowed output tokens of one request
+    max_token_bytes: int  # the longest token's text: an allowed string longer than this is never one token
+
+    def check_text_bytes(self, nbytes: int, what: str) -> None:
+        if nbytes > self.max_prompt_bytes:
+            raise InvalidRequestError(
+                f"{what} is {nbytes:,} bytes, over the limit of {self.max_prompt_bytes:,} bytes (max_prompt_bytes); "
+                f"it could not fit the max input length anyway")
+
+    def check_text(self, text, what: str) -> None:
+        """check_text_bytes for str or bytes, without encoding a str that is too long anyway."""
+        if isinstance(text, (bytes, bytearray)):
+            self.check_text_bytes(len(text), what)
+        elif isinstance(text, str):
+            # UTF-8 takes at least one byte per character: most oversized texts are caught without encoding
+            self.check_text_bytes(len(text) if len(text) > self.max_prompt_bytes else len(text.encode("utf-8", "surrogatepass")), what)
+
+    def check_count(self, n: int, what: str, limit_name: str) -> None:
+        limit = getattr(self, limit_name)
+        if n > limit:
+            raise InvalidRequestError(f"too many {what}: {n:,}, the limit is {limit:,} per request ({limit_name})")
+
+
+def max_token_bytes(tokenizer) -> int:
+    """An upper bound on the bytes of text one token covers: the longest vocabulary entry in UTF-8.
+    Byte-level (Ġ) and SentencePiece (▁) spellings take at least as many bytes as the text they
+    stand for, so the bound is never too small for those tokenizers. 0 when there is no tokenizer."""
+    if tokenizer is None:
+        return 0
+    return max((len(t.encode("utf-8", "surrogatepass")) for t in tokenizer.get_vocab()), default=0)
