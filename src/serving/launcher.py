@@ -20,6 +20,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -36,6 +37,8 @@ import zipfile
 from pathlib import Path
 from typing import Iterable, Mapping
 
+from .drain import DRAIN_FILE_ENV, ack_path
+
 TRITON_SERVER_VERSION = "2.51.0"  # the server inside nvidia-pytriton==0.7.0
 PERF_ANALYZER_REQUIREMENT = "tritonclient==2.51.0"
 _PA_MEMBER = "tritonclient-2.51.0.data/data/bin/perf_analyzer"
@@ -43,6 +46,13 @@ _PA_MEMBER = "tritonclient-2.51.0.data/data/bin/perf_analyzer"
 _PA_LIBS = {"libb64.so.0d": "libb64-", "libcudart.so.12": "libcudart-"}
 # only linked from nvidia_pytriton.libs when the system has no copy of its own
 _PA_LIBS_FALLBACK = {"libssl.so.3": "libssl-", "libcrypto.so.3": "libcrypto-"}
+
+
+# Triton's administrative APIs (change logging, register shared memory that the server then reads,
+# load/unload models, tracing): closed to anyone without the admin key header, on HTTP and gRPC.
+# Inference, health, metadata, model config and statistics stay open (clients and perf_analyzer).
+ADMIN_APIS = ("model-repository", "shared-memory", "logging", "trace")
+ADMIN_KEY_HEADER = "prefillonly-admin-key"
 
 
 class ServerError(RuntimeError):
@@ -178,7 +188,7 @@ def server_binary(server_dir: Path) -> Path:
     return Path(server_dir) / "bin" / "tritonserver"
 
 
-def server_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+def server_env(base: Mapping[str, str] | None = None, pytriton: bool = True) -> dict[str, str]:
     """Environment for tritonserver and its Python backend stubs (a copy of `base`, default os.environ):
 
     - PATH starts with this interpreter's bin dir: the stub runs `python3` from PATH, so the
@@ -198,7 +208,8 @@ def server_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
             f"no libpython{_pyver()}.so in {libdir} (sysconfig LIBDIR): the Python backend stub needs a "
             "shared-library build of Python (e.g. pyenv with PYTHON_CONFIGURE_OPTS=--enable-shared)")
     env["PATH"] = os.pathsep.join([str(bindir)] + [p for p in env.get("PATH", "").split(os.pathsep) if p])
-    ld = [str(_libs_dir()), str(libdir)] + [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
+    # pytriton=False: a server installed on its own (the NGC image's /opt/tritonserver) has its libraries
+    ld = ([str(_libs_dir())] if pytriton else []) + [str(libdir)] + [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
     env["LD_LIBRARY_PATH"] = os.pathsep.join(dict.fromkeys(ld))  # dedup, order kept
     # the stub must run this interpreter's own environment, not one a caller pointed elsewhere
     env.pop("PYTHONHOME", None)
@@ -259,6 +270,30 @@ def _client_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
+def _children(pid: int) -> list[int]:
+    found = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            found += [int(c) for c in children.read_text().split()]
+    return found
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def process_alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting to be reaped)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
 _LIVE: "set[TritonServer]" = set()
 _LIVE_LOCK = threading.Lock()
 
@@ -296,6 +331,9 @@ class TritonServer:
         self._log_file = None
         self._shm_prefix = ""
         self._last_tail = ""
+        self._drain_dir: Path | None = None
+        self.drain_file: Path | None = None
+        self.admin_key: str | None = None
         self.host = "127.0.0.1"
         self.http_port = self.grpc_port = self.metrics_port = 0
 
@@ -304,12 +342,16 @@ class TritonServer:
     def start(self, model_repository: str | os.PathLike, http_port: int | None = None, grpc_port: int | None = None,
               metrics_port: int | None = None, host: str = "127.0.0.1", log_path: str | os.PathLike | None = None,
               extra_args: Iterable[str] = (), log_verbose: int = 0,
-              exit_timeout_secs: int | None = None) -> "TritonServer":
+              exit_timeout_secs: int | None = None, metrics_host: str | None = None,
+              admin_key: str | None = None, open_admin_api: bool = False) -> "TritonServer":
         """Start tritonserver on `model_repository` and return at once (see wait_ready).
 
-        Ports left None are chosen free on `host`. `extra_args` are appended to the command line
-        (later flags win, e.g. "--exit-on-error=false"). `exit_timeout_secs`: how long the server
-        waits for in-flight requests on SIGTERM (Triton's default 30)."""
+        Ports left None are chosen free on `host` (`metrics_host`, default `host`, for metrics).
+        `extra_args` are appended to the command line (later flags win, e.g.
+        "--exit-on-error=false"). `exit_timeout_secs`: how long the server waits for in-flight
+        requests on SIGTERM (Triton's default 30). The ADMIN_APIS need the header
+        ADMIN_KEY_HEADER: `admin_key` (default a random one, kept in self.admin_key), unless
+        `open_admin_api`."""
         if self.process is not None:
             raise ServerError("this TritonServer was already started")
         repo = Path(model_repository).resolve()
@@ -317,7 +359,7 @@ class TritonServer:
             raise ServerError(f"model repository {repo} is not a directory")
         server_dir = self._server_dir or prepare_server_dir(self._cache_dir)
         binary = server_binary(server_dir)
-        env = server_env(self._base_env)
+        env = server_env(self._base_env, pytriton=self._server_dir is None)
         stub = server_dir / "backends" / "python" / "triton_python_backend_stub"
         for path in (binary, stub, server_dir / "backends" / "python" / "libtriton_python.so"):
             _check_links(path, env)
@@ -326,6 +368,10 @@ class TritonServer:
         chosen = iter(free_ports(sum(p is None for p in wanted), host))
         self.http_port, self.grpc_port, self.metrics_port = (p if p is not None else next(chosen) for p in wanted)
         self.host = host
+        self.metrics_host = metrics_host or host
+        self._drain_dir = Path(tempfile.mkdtemp(prefix="prefillonly-drain-"))
+        self.drain_file = self._drain_dir / "drain"
+        env[DRAIN_FILE_ENV] = str(self.drain_file)
         # python backend shared-memory regions under /dev/shm: a unique prefix per server, so that
         # servers side by side never collide and stop() can remove what a killed server left
         self._shm_prefix = f"prefillonly_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
@@ -336,7 +382,7 @@ class TritonServer:
             f"--cache-directory={server_dir / 'caches'}",
             f"--http-address={host}", f"--http-port={self.http_port}",
             f"--grpc-address={host}", f"--grpc-port={self.grpc_port}",
-            f"--metrics-address={host}", f"--metrics-port={self.metrics_port}",
+            f"--metrics-address={self.metrics_host}", f"--metrics-port={self.metrics_port}",
             "--allow-gpu-metrics=false",
             "--pinned-memory-pool-byte-size=0",
             "--cuda-memory-pool-byte-size=0:0",
@@ -347,6 +393,11 @@ class TritonServer:
         ]
         if exit_timeout_secs is not None:
             self.command.append(f"--exit-timeout-secs={int(exit_timeout_secs)}")
+        if not open_admin_api:
+            self.admin_key = admin_key or secrets.token_hex(16)
+            apis = ",".join(ADMIN_APIS)
+            self.command += [f"--http-restricted-api={apis}:{ADMIN_KEY_HEADER}={self.admin_key}",
+                             f"--grpc-restricted-protocol={apis}:{ADMIN_KEY_HEADER}={self.admin_key}"]
         self.command += [str(a) for a in extra_args]
 
         if log_path is None:
@@ -407,12 +458,28 @@ class TritonServer:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.process.pid, sig)
 
-    def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM to the process group (Triton drains in-flight requests), SIGKILL after `timeout`
-        seconds. Returns the exit status (None if never started). Idempotent."""
+    def drain(self, timeout: float = 5.0) -> bool:
+        """Ask the model to close its engine (prefillonly.serving.drain): waiting requests are
+        answered `engine_closed`, new ones refused, the running one finishes. True once the model
+        acknowledged, False after `timeout` (e.g. the model is not ours, or its process is dead)."""
+        if self.drain_file is None or self.poll() is not None:
+            return False
+        self.drain_file.touch()
+        deadline = time.monotonic() + timeout
+        while not ack_path(self.drain_file).exists():
+            if time.monotonic() >= deadline or self.poll() is not None:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def stop(self, timeout: float = 30.0, drain_timeout: float = 5.0) -> int | None:
+        """Drain (see drain()), then SIGTERM to the process group (Triton waits for the requests
+        still in flight), SIGKILL after `timeout` seconds. Returns the exit status (None if never
+        started). Idempotent."""
         if self.process is None:
             return None
         if self.process.poll() is None:
+            self.drain(drain_timeout)
             self.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout)
@@ -425,9 +492,27 @@ class TritonServer:
         self._cleanup()
         return self.process.returncode
 
+    def kill(self) -> int | None:
+        """SIGKILL the whole process group at once (no drain: for a server that cannot answer)."""
+        if self.process is None:
+            return None
+        self.send_signal(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(10)
+        return self.stop(timeout=5, drain_timeout=0)
+
+    def stub_pids(self) -> list[int]:
+        """Pids of the server's Python backend stubs (one per model instance), from /proc."""
+        if self.pid is None:
+            return []
+        return [pid for pid in _children(self.pid) if _comm(pid).startswith("triton_python_b")]
+
     def _cleanup(self) -> None:
         with _LIVE_LOCK:
             _LIVE.discard(self)
+        if self._drain_dir is not None:
+            shutil.rmtree(self._drain_dir, ignore_errors=True)
+            self._drain_dir = None
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

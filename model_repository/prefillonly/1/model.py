@@ -1,9 +1,12 @@
 """Triton Python-backend adapter over prefillonly.Engine (decoupled).
 
-execute() converts each request (prefillonly.serving.protocol), submits it to the engine's
-queue and returns at once; the engine's worker completes the Future, whose callback sends the
-one final response through the request's response sender. Bad input is answered at once with
-an error naming the problem; every request gets exactly one final response. A request whose
+execute() checks each request's shape and sizes (prefillonly.serving.protocol: cheap, no
+tokenizing), hands it to the intake threads and returns at once; an intake thread tokenizes and
+submits it to the engine's queue, so no prompt holds up the thread that feeds Triton's other
+requests. The engine's worker completes the Future, whose callback sends the one final response
+through the request's response sender. Bad input is answered with an error naming the problem
+(from execute() or from intake); every request gets exactly one final response. The launcher's
+drain file (prefillonly.serving.drain) closes the engine before Triton's shutdown. A request whose
 client cancels it while it still waits is taken out of the engine's queue (InFlightWatcher).
 initialize() runs one warm-up request, so Triton reports the model ready only once it is warm.
 Logs: one line per event, with the request id.
@@ -12,18 +15,22 @@ Logs: one line per event, with the request id.
 import json
 import threading
 import time
-from concurrent.futures import CancelledError
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import triton_python_backend_utils as pb_utils
 
 from prefillonly import Engine, EngineConfig
+from prefillonly.serving.drain import DrainWatch, drain_file_from_env
 from prefillonly.serving.metrics import EngineMetrics
 from prefillonly.serving.protocol import INPUTS, error_reply, parse_request, results_to_outputs
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 WARMUP_TOKENS = 16
 WATCH_INTERVAL_S = 0.1  # how often requests in flight are checked for client cancellation
+# Tokenizing threads: the tokenizer releases the GIL, so a long prompt on one leaves the other
+# (and execute()) free; two keep a 2-core host's engine worker fed without crowding it.
+INTAKE_THREADS = 2
 
 
 @dataclass
@@ -47,7 +54,10 @@ class TritonPythonModel:
         warmup_s = self._warm_up()
         self.metrics = EngineMetrics(pb_utils, baseline=self.engine.stats())
         self.metrics.set_warmup_seconds(warmup_s)
-        self.watcher = InFlightWatcher(WATCH_INTERVAL_S, on_tick=lambda: self.metrics.update(self.engine.stats()))
+        self.intake = ThreadPoolExecutor(INTAKE_THREADS, thread_name_prefix="prefillonly-intake")
+        self.drain = DrainWatch(drain_file_from_env())
+        self.watcher = InFlightWatcher(WATCH_INTERVAL_S, on_tick=lambda: self.metrics.update(self.engine.stats()),
+                                       on_round=self._check_drain)
         pb_utils.Logger.log_info(f"prefillonly: engine ready and warm ({self.engine.model_path}; "
                                  f"warm-up request of {WARMUP_TOKENS} tokens took {warmup_s * 1e3:.0f} ms)")
 
@@ -63,15 +73,30 @@ class TritonPythonModel:
         for request in requests:
             pending = _Pending(request, request.get_response_sender(), request.request_id() or "<no id>", time.monotonic())
             try:
-                pending.futures = self._submit(_parse(request))
-            except Exception as e:  # bad input or overload: answer now, keep serving
-                self.metrics.update(self.engine.stats())
+                call = _parse(request, self.engine.limits)
+                self.intake.submit(self._admit, pending, call)
+            except Exception as e:  # bad input (or intake shut down): answer now, keep serving
                 _send_error(pending, e)
-                continue
-            self.watcher.watch(pending)  # before the callback: it may run at once and forget it
-            _when_all_done(pending.futures, lambda results, error, p=pending: self._done(p, results, error))
-        self.metrics.update(self.engine.stats())  # the waiting gauge counts what just arrived
         return None
+
+    def _admit(self, pending, call):
+        """Intake thread: tokenize and queue one request, or answer its error."""
+        try:
+            pending.futures = self._submit(call)
+        except Exception as e:  # bad input or overload: answer now, keep serving
+            self.metrics.update(self.engine.stats())
+            _send_error(pending, e)
+            return
+        self.watcher.watch(pending)  # before the callback: it may run at once and forget it
+        _when_all_done(pending.futures, lambda results, error, p=pending: self._done(p, results, error))
+        self.metrics.update(self.engine.stats())  # the waiting gauge counts what just arrived
+
+    def _check_drain(self):
+        if self.drain.requested():
+            pb_utils.Logger.log_info("prefillonly: drain requested: no new work; failing every waiting request with "
+                                     "engine_closed, the running one finishes")
+            self.engine.close(timeout=0)  # answers the waiting requests before it returns
+            self.drain.acknowledge()
 
     def _submit(self, call):
         if call.items is not None:
@@ -100,15 +125,16 @@ class TritonPythonModel:
     def finalize(self):
         self.watcher.close()
         self.engine.close()  # fails every waiting request: each still gets its final response
+        self.intake.shutdown(wait=True)  # what intake still holds is refused by the closed engine
 
 
-def _parse(request):
+def _parse(request, limits):
     tensors = {}
     for name in INPUTS:
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         if tensor is not None:
             tensors[name] = tensor.as_numpy()
-    call = parse_request(tensors)
+    call = parse_request(tensors, limits)
     timeout_us = request.timeout()
     if timeout_us:
         call.options["deadline_s"] = timeout_us / 1e6
@@ -123,9 +149,10 @@ class InFlightWatcher:
     with requests in flight also calls on_tick (the metrics refresh: the waiting gauge drops when
     the engine's worker starts a request, which the model does not otherwise see)."""
 
-    def __init__(self, interval_s: float, on_tick):
+    def __init__(self, interval_s: float, on_tick, on_round=None):
         self._interval_s = interval_s
         self._on_tick = on_tick
+        self._on_round = on_round  # called every round, with or without requests in flight
         self._lock = threading.Lock()
         self._watched = {}  # id(pending) -> pending
         self._stopped = threading.Event()
@@ -146,6 +173,11 @@ class InFlightWatcher:
 
     def _run(self):
         while not self._stopped.wait(self._interval_s):
+            if self._on_round is not None:
+                try:
+                    self._on_round()
+                except Exception as e:  # the watcher must keep running: it also answers cancellations
+                    pb_utils.Logger.log_warn(f"prefillonly: watcher round failed: {e}")
             with self._lock:
                 watched = list(self._watched.values())
             for pending in watched:

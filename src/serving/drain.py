@@ -1,0 +1,43 @@
+"""Graceful shutdown handshake between the launcher and the model, through one file.
+
+Triton gives a Python model no shutdown notice before its exit timeout: on SIGTERM it waits for
+the requests in flight (in a decoupled model: every request the engine holds, waiting ones too)
+and cuts off whatever is left after --exit-timeout-secs. So before the launcher signals Triton it
+creates the drain file; the model, which polls for it, closes its engine (new requests and every
+waiting one are answered `engine_closed`, the running one finishes) and writes the ack file.
+Only then does Triton get SIGTERM, with one request at most left to wait for.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DRAIN_FILE_ENV = "PREFILLONLY_DRAIN_FILE"  # set by the launcher in the server's environment
+
+
+def ack_path(drain_file: str | os.PathLike) -> Path:
+    return Path(f"{drain_file}.done")
+
+
+def drain_file_from_env() -> Path | None:
+    value = os.environ.get(DRAIN_FILE_ENV)
+    return Path(value) if value else None
+
+
+class DrainWatch:
+    """The model's side: poll() once per watcher round; True (once) when a drain was requested."""
+
+    def __init__(self, drain_file: str | os.PathLike | None):
+        self.drain_file = Path(drain_file) if drain_file else None
+        self.drained = False
+
+    def requested(self) -> bool:
+        if self.drained or self.drain_file is None or not self.drain_file.exists():
+            return False
+        self.drained = True
+        return True
+
+    def acknowledge(self) -> None:
+        if self.drain_file is not None:
+            ack_path(self.drain_file).write_text("drained\n")
