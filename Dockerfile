@@ -5,8 +5,11 @@
 #   is pip-installed into it.
 # Build:  docker build -t prefillonly .
 # Run:    docker run --gpus all --rm -p 8000:8000 -p 8001:8001 -p 8002:8002 prefillonly
-#         (the repository is switched to KIND_GPU / cuda below; on a CPU-only host run with
-#          --entrypoint tritonserver ... --model-repository=/models-cpu)
+#         (the repository is switched to KIND_GPU / cuda below; on a CPU-only host add
+#          --model-repository /models-cpu after the image name)
+# The entrypoint is our serve supervisor, not tritonserver: it receives the container's SIGTERM
+# and drains the engine before Triton's exit timeout, puts Envoy in front (body limit, header
+# stripping), and restarts Triton if the engine dies. Inside the container it binds 0.0.0.0.
 FROM nvcr.io/nvidia/tritonserver:24.10-py3
 
 WORKDIR /opt/prefillonly
@@ -30,5 +33,7 @@ RUN cp -r /models-cpu /models \
         /models/prefillonly/config.pbtxt
 
 EXPOSE 8000 8001 8002
-ENTRYPOINT ["tritonserver"]
-CMD ["--model-repository=/models"]
+# liveness for orchestrators: one real 1-token inference (Kubernetes: an exec probe running this)
+HEALTHCHECK --interval=30s --timeout=130s CMD ["python3", "-m", "prefillonly.serving", "probe", "--timeout", "120"]
+ENTRYPOINT ["python3", "-m", "prefillonly.serving", "serve", "--server-dir", "/opt/tritonserver", "--host", "0.0.0.0"]
+CMD ["--model-repository", "/models"]

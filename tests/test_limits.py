@@ -67,9 +67,12 @@ def test_item_template_is_literal_text(default_engine):
     """Only {item} is replaced: no format specs, fields or escapes (str.format ran them)."""
     tok = default_engine.encoder.tokenizer
     template = " {item.__class__} {0} {{item}} {item:>40} :{item}"
-    (r,) = default_engine.score_items("P", ["x"], [" Yes"], item_template=template, cache_prefix_len=0)
-    literal = " {x.__class__} {0} {x} {item:>40} :x"
-    assert r.prompt_tokens == len(tok.encode("P")) + len(tok.encode(literal, add_special_tokens=False))
+    (r,) = default_engine.score_items("P", ["x"], [" Yes", " No"], item_template=template, cache_prefix_len=0)
+    literal = " {item.__class__} {0} {x} {item:>40} :x"
+    ids = tok.encode("P") + tok.encode(literal, add_special_tokens=False)
+    plain = default_engine.score(ids, [" Yes", " No"], cache_prefix_len=0)
+    assert r.prompt_tokens == len(ids)
+    assert [t.logprob for t in r.tokens] == pytest.approx([t.logprob for t in plain.tokens], abs=1e-4)
     for bad in ("{item:>4000000}", "no placeholder"):
         with pytest.raises(InvalidRequestError, match="has no {item}"):
             default_engine.submit_items("P", ["x"], [" Yes"], item_template=bad)

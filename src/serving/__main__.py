@@ -1,5 +1,6 @@
-"""`python -m prefillonly.serving serve --model-repository DIR`: run the real tritonserver in the
-foreground (DESIGN.md §5), and `python -m prefillonly.serving perf-analyzer-path`."""
+"""`python -m prefillonly.serving serve --model-repository DIR`: the real tritonserver behind Envoy,
+supervised (prefillonly.serving.supervisor), in the foreground; `... probe` (container liveness);
+`... perf-analyzer` / `perf-analyzer-path`."""
 
 from __future__ import annotations
 
@@ -11,13 +12,18 @@ import threading
 import time
 from pathlib import Path
 
-from .launcher import PerfAnalyzerUnavailable, ServerError, TritonServer, perf_analyzer_env, perf_analyzer_path
+from .envoy import DEFAULT_MAX_REQUEST_BYTES, ProxyError
+from .launcher import (ADMIN_APIS, ADMIN_KEY_HEADER, TRITON_SERVER_VERSION, PerfAnalyzerUnavailable, ServerError,
+                       perf_analyzer_env, perf_analyzer_path)
+from .probe import probe
+from .supervisor import ServeOptions, Supervisor
 
 USAGE_HINT = """\
-tritonserver {version} ready (pid {pid}); models in {repo}
+prefillonly ready: tritonserver {version} (pid {pid}) serving {repo}{behind}
   HTTP    {http}
   gRPC    {grpc}
   metrics {metrics}
+  {admin}
 
 Score over HTTP (decoupled model: use generate, not infer):
   curl -s {http}/v2/models/prefillonly/generate -H 'Content-Type: application/json' \\
@@ -26,12 +32,14 @@ gRPC (decoupled models need the bidirectional stream):
   import tritonclient.grpc as g; c = g.InferenceServerClient("{grpc}")
   c.start_stream(callback=lambda result, error: ...); c.async_stream_infer("prefillonly", inputs)
 perf_analyzer: python -m prefillonly.serving perf-analyzer -- -m prefillonly -u {grpc} -i grpc --streaming ...
-Ctrl-C (SIGINT) or SIGTERM stops the server.
+Liveness: python -m prefillonly.serving probe --url {http}
+Ctrl-C (SIGINT) or SIGTERM stops the server (waiting requests are answered engine_closed first).
 """
 
 
 def _follow(path: Path, stop: threading.Event, out=sys.stderr) -> None:
-    """Copy what the server writes to its log file onto our stderr, until `stop` is set."""
+    """Copy what the server writes to its log file onto our stderr, until `stop` is set (a
+    restarted server appends to the same file)."""
     with open(path, "rb") as f:
         while True:
             chunk = f.read(65536)
@@ -45,66 +53,65 @@ def _follow(path: Path, stop: threading.Event, out=sys.stderr) -> None:
 
 
 def _serve(a: argparse.Namespace) -> int:
-    repo = Path(a.model_repository)
-    server = TritonServer(cache_dir=a.cache_dir)
-    log_path = Path(a.log_file) if a.log_file else None
+    options = ServeOptions(
+        model_repository=str(Path(a.model_repository).resolve()), host=a.host, http_port=a.http_port,
+        grpc_port=a.grpc_port, metrics_port=a.metrics_port, proxy=not a.no_proxy, max_request_bytes=a.max_request_bytes,
+        probe_interval_s=a.probe_interval, probe_timeout_s=a.probe_timeout, ready_timeout_s=a.ready_timeout,
+        exit_timeout_secs=a.exit_timeout_secs, admin_key=a.admin_key or os.environ.get("PREFILLONLY_ADMIN_KEY"),
+        open_admin_api=a.open_admin_api, log_path=a.log_file, log_verbose=a.log_verbose, cache_dir=a.cache_dir,
+        server_dir=a.server_dir or os.environ.get("PREFILLONLY_TRITON_DIR"),
+        extra_args=list(a.extra))
+    supervisor = Supervisor(options)
+    stop = threading.Event()
     stop_follow = threading.Event()
-    follower = None
     received: list[int] = []
 
-    def forward(signum, _frame):
+    def on_signal(signum, _frame):
         received.append(signum)
         if len(received) == 1:
-            print(f"\nprefillonly.serving: {signal.Signals(signum).name} -> tritonserver (again to kill)",
+            print(f"\nprefillonly.serving: {signal.Signals(signum).name}: draining and stopping (again to kill)",
                   file=sys.stderr, flush=True)
-            server.send_signal(signum)
+            stop.set()
         else:
-            server.send_signal(signal.SIGKILL)
+            for part in (supervisor.server, supervisor.proxy):
+                if part is not None:
+                    part.send_signal(signal.SIGKILL)
 
-    signal.signal(signal.SIGINT, forward)
-    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    if not options.proxy:
+        print("prefillonly.serving: --no-proxy: Triton's ports face clients directly; a JSON body over ~4 MiB or the "
+              "triton_grpc_error header can crash Triton 2.51", file=sys.stderr, flush=True)
+    rc = 0
     try:
-        server.start(repo, http_port=a.http_port, grpc_port=a.grpc_port, metrics_port=a.metrics_port, host=a.host,
-                     log_path=log_path, extra_args=a.extra, log_verbose=a.log_verbose,
-                     exit_timeout_secs=a.exit_timeout_secs)
-        if received:  # a signal that came while the server was being prepared
-            server.send_signal(received[0])
-        if not a.quiet:
-            follower = threading.Thread(target=_follow, args=(server.log_path, stop_follow), daemon=True)
-            follower.start()
-        deadline = time.monotonic() + a.ready_timeout
-        while not server.is_ready():  # wait_ready, but a signal meanwhile stops the wait too
-            if server.poll() is not None:
-                raise ServerError(f"tritonserver exited with status {server.poll()} before it was ready"
-                                  + ("" if follower else "\n--- log tail ---\n" + server.log_tail()))
-            if received:
-                break
-            if time.monotonic() > deadline:
-                raise ServerError(f"tritonserver not ready after {a.ready_timeout:.0f} s\n--- log tail ---\n"
-                                  + server.log_tail())
-            time.sleep(0.2)
-        else:
-            time.sleep(0.3)  # let the follower print the startup table first
-            print("\n" + USAGE_HINT.format(version="2.51.0", pid=server.pid, repo=repo.resolve(), http=server.http_url,
-                                           grpc=server.grpc_url, metrics=server.metrics_url), flush=True)
-        while server.poll() is None:
-            try:
-                server.process.wait()
-            except InterruptedError:
-                pass
-        rc = server.poll()
-    except ServerError as e:
+        if supervisor.start(stop):
+            if not a.quiet:
+                log = supervisor.server.log_path
+                threading.Thread(target=_follow, args=(log, stop_follow), daemon=True).start()
+                time.sleep(0.3)  # let the follower print the startup table first
+            admin = ("admin APIs (" + ", ".join(ADMIN_APIS) + ") open to anyone (--open-admin-api)" if options.open_admin_api
+                     else f"admin APIs ({', '.join(ADMIN_APIS)}) need header {ADMIN_KEY_HEADER}: "
+                          + ("the --admin-key value" if options.admin_key else "a random key (set --admin-key to use them)"))
+            behind = f" behind Envoy (bodies up to {options.max_request_bytes:,} bytes)" if options.proxy else ""
+            print("\n" + USAGE_HINT.format(version=TRITON_SERVER_VERSION, pid=supervisor.server.pid, repo=options.model_repository,
+                                           behind=behind, http=supervisor.http_url, grpc=supervisor.grpc_url,
+                                           metrics=supervisor.metrics_url, admin=admin), flush=True)
+            supervisor.watch(stop)
+    except (ServerError, ProxyError) as e:
         print(f"prefillonly.serving: {e}", file=sys.stderr)
-        rc = server.poll()
-        rc = 1 if rc in (None, 0) else rc
+        rc = 1
     finally:
-        server.stop(timeout=a.stop_timeout)
+        server_rc = supervisor.stop(timeout=a.stop_timeout)
         stop_follow.set()
-        if follower is not None:
-            follower.join(2)
-    if rc is None:
-        rc = server.poll() or 0
-    return 128 - rc if rc < 0 else rc  # killed by signal N -> 128+N, as a shell reports it
+    if rc == 0 and server_rc:
+        rc = 128 - server_rc if server_rc < 0 else server_rc  # killed by signal N -> 128+N, as a shell reports it
+    return rc
+
+
+def _probe(a: argparse.Namespace) -> int:
+    alive, what = probe(a.url.rstrip("/"), model=a.model, timeout=a.timeout)
+    print(f"{'alive' if alive else 'NOT alive'}: {what}")
+    return 0 if alive else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,17 +124,35 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--grpc-port", type=int, default=8001)
     s.add_argument("--metrics-port", type=int, default=8002)
-    s.add_argument("--host", default="0.0.0.0", help="bind address for all three endpoints (default 0.0.0.0)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="bind address of the HTTP, gRPC and metrics ports (default 127.0.0.1; 0.0.0.0 for all interfaces)")
+    s.add_argument("--no-proxy", action="store_true",
+                   help="no Envoy in front: Triton binds the ports itself (unsafe: see README 'Reliability and security')")
+    s.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help=f"largest HTTP request body the front door passes on (default {DEFAULT_MAX_REQUEST_BYTES:,})")
+    s.add_argument("--probe-interval", type=float, default=5.0, help="seconds between liveness probes (default 5)")
+    s.add_argument("--probe-timeout", type=float, default=120.0,
+                   help="a probe unanswered this long restarts the server (default 120; above your longest request)")
+    s.add_argument("--admin-key", default=None, help="value of the prefillonly-admin-key header the admin APIs need "
+                                                      "(default $PREFILLONLY_ADMIN_KEY, else a random one)")
+    s.add_argument("--open-admin-api", action="store_true", help="leave Triton's admin APIs open to every client")
+    s.add_argument("--server-dir", default=None,
+                   help="a Triton install to run (bin/tritonserver, backends/, caches/), e.g. /opt/tritonserver in the "
+                        "NGC image (default $PREFILLONLY_TRITON_DIR, else the server from the nvidia-pytriton wheel)")
     s.add_argument("--log-file", default=None, help="keep the server's log here (default: a temporary file)")
     s.add_argument("--log-verbose", type=int, default=0)
     s.add_argument("--quiet", action="store_true", help="do not copy the server's log to stderr")
     s.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every model to load")
-    s.add_argument("--exit-timeout-secs", type=int, default=None,
-                   help="how long the server drains in-flight requests on SIGTERM (Triton's default 30)")
+    s.add_argument("--exit-timeout-secs", type=int, default=30,
+                   help="on stop, how long Triton waits for the running request after the drain (default 30)")
     s.add_argument("--stop-timeout", type=float, default=60.0, help="SIGKILL after this many seconds of stopping")
     s.add_argument("--cache-dir", default=None, help="where the server tree is built (default $PREFILLONLY_CACHE_DIR "
                                                      "or ~/.cache/prefillonly)")
     s.add_argument("extra", nargs="*", help=argparse.SUPPRESS)
+    pb = sub.add_parser("probe", help="one real 1-token inference: exit 0 if the engine answers (container liveness)")
+    pb.add_argument("--url", default="http://127.0.0.1:8000", help="HTTP address of the server or the front door")
+    pb.add_argument("--model", default="prefillonly")
+    pb.add_argument("--timeout", type=float, default=60.0)
     pp = sub.add_parser("perf-analyzer-path", help="print the path of perf_analyzer 2.51.0 (fetched once)")
     pp.add_argument("--cache-dir", default=None)
     pp.add_argument("--env", action="store_true", help="also print LD_LIBRARY_PATH=... to run it with")
@@ -138,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.cmd == "serve":
         return _serve(a)
+    if a.cmd == "probe":
+        return _probe(a)
     try:
         binary = perf_analyzer_path(a.cache_dir)
         env = perf_analyzer_env(cache_dir=a.cache_dir)

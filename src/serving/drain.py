@@ -4,8 +4,9 @@ Triton gives a Python model no shutdown notice before its exit timeout: on SIGTE
 the requests in flight (in a decoupled model: every request the engine holds, waiting ones too)
 and cuts off whatever is left after --exit-timeout-secs. So before the launcher signals Triton it
 creates the drain file; the model, which polls for it, closes its engine (new requests and every
-waiting one are answered `engine_closed`, the running one finishes) and writes the ack file.
-Only then does Triton get SIGTERM, with one request at most left to wait for.
+waiting one are answered `engine_closed`), waits for the running request to finish and writes the
+ack file: nothing is left to answer. Only then are client connections closed (Triton 2.51 waits
+for open gRPC streams until its exit timeout, then hangs) and Triton gets SIGTERM.
 """
 
 from __future__ import annotations

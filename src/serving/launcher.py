@@ -262,12 +262,23 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
-def _client_host(host: str) -> str:
+def client_host(host: str) -> str:
     if host in ("", "0.0.0.0"):
         return "127.0.0.1"
     if host == "::":
         return "[::1]"
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def log_tail(path: str | os.PathLike, max_bytes: int = 8000) -> str:
+    """The last `max_bytes` of a log file ("" if it is gone)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
 
 
 def _children(pid: int) -> list[int]:
@@ -334,7 +345,7 @@ class TritonServer:
         self._drain_dir: Path | None = None
         self.drain_file: Path | None = None
         self.admin_key: str | None = None
-        self.host = "127.0.0.1"
+        self.host = self.metrics_host = "127.0.0.1"
         self.http_port = self.grpc_port = self.metrics_port = 0
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -461,7 +472,8 @@ class TritonServer:
     def drain(self, timeout: float = 5.0) -> bool:
         """Ask the model to close its engine (prefillonly.serving.drain): waiting requests are
         answered `engine_closed`, new ones refused, the running one finishes. True once the model
-        acknowledged, False after `timeout` (e.g. the model is not ours, or its process is dead)."""
+        acknowledged (nothing left to answer), False after `timeout` (the running request is still
+        going, the model is not ours, or its process is dead)."""
         if self.drain_file is None or self.poll() is not None:
             return False
         self.drain_file.touch()
@@ -535,28 +547,20 @@ class TritonServer:
 
     @property
     def http_url(self) -> str:
-        return f"http://{_client_host(self.host)}:{self.http_port}"
+        return f"http://{client_host(self.host)}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
         """host:port, as tritonclient.grpc.InferenceServerClient(url=...) takes it."""
-        return f"{_client_host(self.host)}:{self.grpc_port}"
+        return f"{client_host(self.host)}:{self.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{_client_host(self.host)}:{self.metrics_port}/metrics"
+        return f"http://{client_host(self.metrics_host)}:{self.metrics_port}/metrics"
 
     def log_tail(self, max_bytes: int = 8000) -> str:
         """The end of the server's output (kept after stop() removed a temporary log)."""
-        if self.log_path is None:
-            return ""
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - max_bytes))
-                return f.read().decode("utf-8", errors="replace")
-        except OSError:
-            return self._last_tail
+        return (log_tail(self.log_path, max_bytes) if self.log_path is not None else "") or self._last_tail
 
     def __repr__(self) -> str:
         state = "not started" if self.process is None else (

