@@ -172,6 +172,9 @@ def test_one_request_cannot_fill_the_queue_or_the_tokenizer(front):
         ({"text_input": "Profile.", "items": ["x"] * 1000, "allowed_tokens": [" Yes"]}, "max_items"),
         ({"text_input": "Hi", "allowed_token_ids": list(range(300))}, "max_allowed_tokens"),
     ]
+    # a field that is not an input (HTTP generate makes it a request parameter) is refused, not ignored
+    status, reply, _ = generate(front.http_url, {"text_input": "Hi", "allowed_tokens": [" Yes"], "temperature": 0.5})
+    assert status == 400 and reply["error"].startswith("invalid_request: unknown field(s) temperature"), reply
     for body, limit in cases:
         status, reply, seconds = generate(front.http_url, body)
         assert status == 400 and reply["error"].startswith("invalid_request") and limit in reply["error"], (limit, reply)

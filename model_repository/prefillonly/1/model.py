@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import triton_python_backend_utils as pb_utils
 
 from prefillonly import Engine, EngineConfig
+from prefillonly.errors import InvalidRequestError
 from prefillonly.serving.drain import DrainWatch, drain_file_from_env
 from prefillonly.serving.metrics import EngineMetrics
 from prefillonly.serving.protocol import INPUTS, error_reply, parse_request, results_to_outputs
@@ -137,11 +138,26 @@ def _parse(request, limits):
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         if tensor is not None:
             tensors[name] = tensor.as_numpy()
+    _check_parameters(request)
     call = parse_request(tensors, limits)
     timeout_us = request.timeout()
     if timeout_us:
         call.options["deadline_s"] = timeout_us / 1e6
     return call
+
+
+def _check_parameters(request):
+    """HTTP generate turns every JSON field that is not an input into a request parameter, which
+    would be ignored without a word (a misspelt `allowed_token` scored against nothing asked for).
+    Triton's own parameters (triton_*) pass."""
+    try:
+        params = json.loads(request.parameters() or "{}")
+    except ValueError:
+        return
+    unknown = sorted(k for k in params if not k.startswith("triton_"))
+    if unknown:
+        raise InvalidRequestError(f"unknown field(s) {', '.join(unknown)}: not inputs of this model "
+                                  f"(inputs: {', '.join(INPUTS)})")
 
 
 class InFlightWatcher:
