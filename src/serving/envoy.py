@@ -136,12 +136,15 @@ def _socket_address(host: str, port: int) -> dict:
 def _health_check(front: FrontDoor, grpc: bool) -> dict:
     interval = _duration(front.health_check_interval_s)
     check = {
-        "timeout": "1s",
+        # generous: Triton answers health from C++ threads, but a host saturated by the engine can
+        # be slow to schedule them, and with panic mode off a false "unhealthy" refuses everyone.
+        # A replica that is gone fails at once (connection refused), whatever the timeout.
+        "timeout": "5s",
         "interval": interval,
         # Envoy's default no_traffic_interval is 60 s: an idle front door would notice a replica
         # coming back (or going away) only a minute later. Check at the same pace regardless.
         "no_traffic_interval": interval,
-        "unhealthy_threshold": 2,
+        "unhealthy_threshold": 3,
         "healthy_threshold": 1,
     }
     if grpc:
