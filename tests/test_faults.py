@@ -293,6 +293,17 @@ def test_fuzzed_requests_each_get_one_final_response(front):
     assert_still_serving(front)
 
 
+def test_a_dead_front_door_is_restarted(front):
+    """Envoy is a process too: if it dies, the supervisor starts it again on the same ports."""
+    old = front.proxy.pid
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while ready_status(front.http_url) != 200 or front.proxy.pid == old:
+        assert time.monotonic() < deadline, "the front door did not come back"
+        time.sleep(0.2)
+    assert_still_serving(front)
+
+
 def test_killed_engine_is_detected_answered_and_restarted(tmp_path, small_served_model):
     """Item 3: after kill -9 of the engine's process its requests were never answered, later ones
     hung, and readiness stayed 200. Now: not ready within seconds, every in-flight request gets an

@@ -9,7 +9,8 @@ repository API open, and a dead stub's requests are only released when Triton go
   - tritonserver exits on its own,
   - a Python backend stub process dies (checked every WATCH_INTERVAL_S), or
   - a liveness probe (prefillonly.serving.probe: a real 1-token inference) gets no engine answer
-    within probe_timeout_s (a wedged engine).
+    within probe_timeout_s (a wedged engine);
+and restarts Envoy if it exits.
 Killing Triton closes every connection it holds, so each in-flight request of the dead engine
 gets a final error (HTTP 503 `unavailable: ...` from Envoy, gRPC UNAVAILABLE) instead of silence.
 While Triton is down, Envoy answers 503 `unavailable`, readiness included.
@@ -69,6 +70,8 @@ class Supervisor:
         self._probe_result: tuple[bool, str] | None = None
         self._probe_thread: threading.Thread | None = None
         self._next_probe = 0.0
+        self._stopping = threading.Event()  # set by stop(): the watchdog must not restart what stop() ends
+        self._lock = threading.Lock()  # one of check-and-restart or stop at a time
         self._own_log = options.log_path is None
         if self._own_log:  # one log for every server this supervisor starts (restarts append)
             fd, options.log_path = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
@@ -96,11 +99,15 @@ class Supervisor:
         if not self._start_server(stop):
             return False
         if o.proxy:
-            front = FrontDoor(upstreams=[Upstream("127.0.0.1", self.server.http_port, self.server.grpc_port)], host=o.host,
-                              http_port=o.http_port, grpc_port=o.grpc_port, max_request_bytes=o.max_request_bytes)
-            self.proxy = EnvoyProxy(front).start()
-            self.proxy.wait_ready(60)
+            self._start_proxy()
         return True
+
+    def _start_proxy(self) -> None:
+        o = self.options
+        front = FrontDoor(upstreams=[Upstream("127.0.0.1", self.server.http_port, self.server.grpc_port)], host=o.host,
+                          http_port=o.http_port, grpc_port=o.grpc_port, max_request_bytes=o.max_request_bytes)
+        self.proxy = EnvoyProxy(front).start()
+        self.proxy.wait_ready(60)
 
     def _start_server(self, stop: threading.Event | None) -> bool:
         o = self.options
@@ -115,7 +122,7 @@ class Supervisor:
             if self.server.poll() is not None:
                 raise ServerError(f"tritonserver exited with status {self.server.poll()} before it was ready"
                                   f"\n--- log tail ---\n{self.server.log_tail()}")
-            if stop is not None and stop.is_set():
+            if (stop is not None and stop.is_set()) or self._stopping.is_set():
                 return False
             if time.monotonic() > deadline:
                 raise ServerError(f"tritonserver not ready after {o.ready_timeout_s:.0f} s\n--- log tail ---\n"
@@ -128,9 +135,12 @@ class Supervisor:
     def watch(self, stop: threading.Event) -> None:
         """Until `stop` is set: check the engine, restart Triton when it is dead or wedged."""
         while not stop.wait(WATCH_INTERVAL_S):
-            problem = self.check()
-            if problem and not stop.is_set():
-                self.restart(problem, stop)
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                problem = self.check()
+                if problem and not stop.is_set():
+                    self.restart(problem, stop)
 
     def check(self) -> str | None:
         """What is wrong with the running server, or None."""
@@ -141,7 +151,9 @@ class Supervisor:
         if dead:
             return f"the engine's process (Python backend stub, pid {', '.join(map(str, dead))}) died"
         if self.proxy is not None and self.proxy.poll() is not None:
-            raise ServerError(f"envoy exited with status {self.proxy.poll()}\n--- log tail ---\n{self.proxy.log_tail()}")
+            self.say(f"envoy exited with status {self.proxy.poll()}: restarting it\n{self.proxy.log_tail(2000)}")
+            self.proxy.stop()
+            self._start_proxy()
         return self._check_probe()
 
     def _check_probe(self) -> str | None:
@@ -182,6 +194,11 @@ class Supervisor:
         """Drain the engine (waiting requests answered, the running one given up to
         exit_timeout_secs to finish), close the front door (every answer has been sent), then stop
         Triton: with no client connection left it exits at once."""
+        self._stopping.set()  # a restart under way gives up waiting for readiness ...
+        with self._lock:  # ... and releases the lock
+            return self._stop(timeout)
+
+    def _stop(self, timeout: float | None) -> int | None:
         rc = None
         if self.server is not None and self.server.poll() is None:
             if not self.server.drain(self.options.exit_timeout_secs):
