@@ -1062,16 +1062,6 @@ def in_threads(calls) -> list:
     return threads, out
 
 
-def ready_code(url: str) -> int:
-    try:
-        with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=5) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except (urllib.error.URLError, OSError):
-        return 0
-
-
 def wait_until(predicate, timeout: float, step: float = 0.1) -> float | None:
     """Seconds until predicate() held, or None after `timeout`."""
     t0 = time.perf_counter()
@@ -1094,6 +1084,8 @@ def tally(answers: list) -> dict:
 
 def fault_kill_engine(out_dir: Path, dtype: str, timeout: float) -> dict:
     """kill -9 of the engine's process with requests in flight (HTTP generate and gRPC streams)."""
+    from prefillonly.serving.probe import ready_status
+
     with Stack(out_dir, "fault-kill", dtype=dtype) as stack:
         url, grpc = stack.http_url, stack.grpc_url
         calls = [lambda: http_generate(url, FAULT_PROMPT, timeout) for _ in range(3)]
@@ -1102,10 +1094,10 @@ def fault_kill_engine(out_dir: Path, dtype: str, timeout: float) -> dict:
         time.sleep(1.5)
         (stub,) = [p for p in stack.sup.server.stub_pids() if stub_model(p) == MODEL]
         os.kill(stub, signal.SIGKILL)
-        not_ready_s = wait_until(lambda: ready_code(url) != 200, 30)
+        not_ready_s = wait_until(lambda: ready_status(url) != 200, 30)
         for t in threads:
             t.join(timeout)
-        ready_again_s = wait_until(lambda: ready_code(url) == 200, 300, 0.5)
+        ready_again_s = wait_until(lambda: ready_status(url) == 200, 300, 0.5)
         after = http_generate(url, {"text_input": "Is the sky blue? Answer:", "allowed_tokens": YES_NO}, 60)
         return {"in_flight": len(calls), "answers": tally(answers), "not_ready_after_s": not_ready_s,
                 "serving_again_after_s": None if ready_again_s is None else (not_ready_s or 0) + ready_again_s,

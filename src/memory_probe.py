@@ -84,11 +84,16 @@ def pin_mmap_threshold(nbytes: int = 128 << 10) -> bool:
     32 MiB), later buffers come from the heap, and the heap's holes make the RSS peak depend on
     the order of earlier frees (measured: +-1-2 MiB run to run at 68 MiB). Pinned, the measured
     peak is the request's own buffers, which is what the prediction is checked against.
+    Also one malloc arena for every thread (M_ARENA_MAX 1): with one arena per thread, the second
+    torch thread's arena grew and kept pages depending on timing (measured: the same 16K-token
+    bf16 forward peaked anywhere in 35.6-38.4 MiB; with one arena 35.6-35.8).
     Returns False where the allocator is not glibc's."""
     import ctypes
 
     try:
-        return bool(ctypes.CDLL(None).mallopt(-3, nbytes))  # -3 = M_MMAP_THRESHOLD
+        libc = ctypes.CDLL(None)
+        one_arena = bool(libc.mallopt(-8, 1))  # -8 = M_ARENA_MAX, before any thread allocates
+        return bool(libc.mallopt(-3, nbytes)) and one_arena  # -3 = M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         return False
 

@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 from prefillonly.serving.launcher import ADMIN_KEY_HEADER, free_ports
+from prefillonly.serving.probe import ready_status
 from prefillonly.serving.supervisor import ServeOptions, Supervisor
 from prefillonly.serving.testing import copy_model_repository, post_json
 
@@ -52,16 +53,6 @@ def post_raw(url, data: bytes, headers=None, timeout=60):
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
-
-
-def ready_status(url) -> int:
-    try:
-        with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=5) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except (urllib.error.URLError, OSError):
-        return 0
 
 
 class Stream:

@@ -17,7 +17,9 @@ What must hold on every host, and why these bounds:
   conversion, the warm-up) stays resident in glibc's arenas once its dynamic mmap threshold has
   grown, and the request reused 4-7 MiB of it without any RSS growth, and the heap's holes moved
   the peak by +-1-2 MiB from run to run; the probe now pins the mmap threshold (every large
-  buffer its own mapping) and gives free heap pages back (malloc_trim) before measuring. (2) torch SDPA's internal
+  buffer its own mapping), gives free heap pages back (malloc_trim) before measuring, and runs
+  every thread on one malloc arena (a second thread's own arena moved the 16K bf16 peak by up to
+  2.7 MiB from run to run; with one arena the spread is 0.2 MiB). (2) torch SDPA's internal
   buffers depend on which CPU path it takes on that ISA: measured here (AVX2, no AMX) ~1 B per
   query element beyond its output, where the SDPA constant was fitted on hosts that needed
   ~4. So for SDPA (the fallback) only "never below" is asserted.

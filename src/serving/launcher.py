@@ -13,7 +13,6 @@ pytriton, torch or tritonclient.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import hashlib
 import importlib.metadata
@@ -28,7 +27,6 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -38,6 +36,7 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 from .drain import DRAIN_FILE_ENV, ack_path
+from .process import LoggedProcess
 
 TRITON_SERVER_VERSION = "2.51.0"  # the server inside nvidia-pytriton==0.7.0
 PERF_ANALYZER_REQUIREMENT = "tritonclient==2.51.0"
@@ -270,17 +269,6 @@ def client_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def log_tail(path: str | os.PathLike, max_bytes: int = 8000) -> str:
-    """The last `max_bytes` of a log file ("" if it is gone)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - max_bytes))
-            return f.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""
-
-
 def _children(pid: int) -> list[int]:
     found = []
     for children in Path(f"/proc/{pid}/task").glob("*/children"):
@@ -305,20 +293,7 @@ def process_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-_LIVE: "set[TritonServer]" = set()
-_LIVE_LOCK = threading.Lock()
-
-
-@atexit.register
-def _kill_leftovers() -> None:  # a crashed test or script must not leave servers behind
-    with _LIVE_LOCK:
-        servers = list(_LIVE)
-    for server in servers:
-        with contextlib.suppress(Exception):
-            server.stop(timeout=5)
-
-
-class TritonServer:
+class TritonServer(LoggedProcess):
     """One tritonserver process (its own process group, so its Python stubs go with it).
 
         server = TritonServer().start("model_repository")   # free ports on 127.0.0.1
@@ -330,18 +305,16 @@ class TritonServer:
     by default a temporary file removed by stop().
     """
 
+    name = "tritonserver"
+    error = ServerError
+
     def __init__(self, server_dir: str | os.PathLike | None = None, *, cache_dir: str | os.PathLike | None = None,
                  env: Mapping[str, str] | None = None):
+        super().__init__()
         self._server_dir = Path(server_dir) if server_dir is not None else None
         self._cache_dir = cache_dir
         self._base_env = env
-        self.process: subprocess.Popen | None = None
-        self.command: list[str] = []
-        self.log_path: Path | None = None
-        self._own_log = False
-        self._log_file = None
         self._shm_prefix = ""
-        self._last_tail = ""
         self._drain_dir: Path | None = None
         self.drain_file: Path | None = None
         self.admin_key: str | None = None
@@ -386,7 +359,7 @@ class TritonServer:
         # python backend shared-memory regions under /dev/shm: a unique prefix per server, so that
         # servers side by side never collide and stop() can remove what a killed server left
         self._shm_prefix = f"prefillonly_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
-        self.command = [
+        command = [
             str(binary),
             f"--model-repository={repo}",
             f"--backend-directory={server_dir / 'backends'}",
@@ -403,39 +376,15 @@ class TritonServer:
             f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",
         ]
         if exit_timeout_secs is not None:
-            self.command.append(f"--exit-timeout-secs={int(exit_timeout_secs)}")
+            command.append(f"--exit-timeout-secs={int(exit_timeout_secs)}")
         if not open_admin_api:
             self.admin_key = admin_key or secrets.token_hex(16)
             apis = ",".join(ADMIN_APIS)
-            self.command += [f"--http-restricted-api={apis}:{ADMIN_KEY_HEADER}={self.admin_key}",
+            command += [f"--http-restricted-api={apis}:{ADMIN_KEY_HEADER}={self.admin_key}",
                              f"--grpc-restricted-protocol={apis}:{ADMIN_KEY_HEADER}={self.admin_key}"]
-        self.command += [str(a) for a in extra_args]
-
-        if log_path is None:
-            fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
-            os.close(fd)
-            self.log_path, self._own_log = Path(name), True
-        else:
-            self.log_path, self._own_log = Path(log_path), False
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log_file = open(self.log_path, "ab", buffering=0)
-        try:
-            self.process = subprocess.Popen(self.command, env=env, cwd=str(server_dir), stdin=subprocess.DEVNULL,
-                                            stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True)
-        except OSError as e:
-            self._log_file.close()
-            raise ServerError(f"could not run {binary}: {e}") from e
-        with _LIVE_LOCK:
-            _LIVE.add(self)
+        command += [str(a) for a in extra_args]
+        self._spawn(command, log_path, env=env, cwd=str(server_dir))
         return self
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process is not None else None
-
-    def poll(self) -> int | None:
-        """None while running, else the exit status (negative: killed by that signal)."""
-        return self.process.poll() if self.process is not None else None
 
     def is_ready(self) -> bool:
         try:
@@ -447,27 +396,8 @@ class TritonServer:
     def wait_ready(self, timeout: float = 120.0) -> "TritonServer":
         """Poll /v2/health/ready (every model loaded) until it answers 200. Raises ServerError with
         the log's tail at once if the process exits, or after `timeout` seconds."""
-        if self.process is None:
-            raise ServerError("server not started")
-        deadline = time.monotonic() + timeout
-        while True:
-            rc = self.process.poll()
-            if rc is not None:
-                raise ServerError(f"tritonserver exited with status {rc} before it was ready "
-                                  f"(command: {' '.join(self.command)})\n--- log tail ---\n{self.log_tail()}")
-            if self.is_ready():
-                return self
-            if time.monotonic() >= deadline:
-                raise ServerError(f"tritonserver not ready after {timeout:.0f} s (still running, pid {self.pid}; "
-                                  f"a hang at model load often means LD_LIBRARY_PATH lacks nvidia_pytriton.libs or "
-                                  f"libpython)\n--- log tail ---\n{self.log_tail()}")
-            time.sleep(0.2)
-
-    def send_signal(self, sig: int) -> None:
-        """Signal the server's whole process group (the server and its Python stubs)."""
-        if self.process is not None and self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.process.pid, sig)
+        return super().wait_ready(timeout, hint="; a hang at model load often means LD_LIBRARY_PATH lacks "
+                                                "nvidia_pytriton.libs or libpython")
 
     def drain(self, timeout: float = 5.0) -> bool:
         """Ask the model to close its engine (prefillonly.serving.drain): waiting requests are
@@ -520,28 +450,14 @@ class TritonServer:
         return [pid for pid in _children(self.pid) if _comm(pid).startswith("triton_python_b")]
 
     def _cleanup(self) -> None:
-        with _LIVE_LOCK:
-            _LIVE.discard(self)
+        self._release()
         if self._drain_dir is not None:
             shutil.rmtree(self._drain_dir, ignore_errors=True)
             self._drain_dir = None
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
         if self._shm_prefix:
             for leftover in Path("/dev/shm").glob(self._shm_prefix + "*"):
                 with contextlib.suppress(OSError):
                     leftover.unlink()
-        if self._own_log and self.log_path is not None:
-            self._last_tail = self.log_tail()
-            with contextlib.suppress(OSError):
-                self.log_path.unlink()
-
-    def __enter__(self) -> "TritonServer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     # -- addresses and logs --------------------------------------------------------------------
 
@@ -558,14 +474,8 @@ class TritonServer:
     def metrics_url(self) -> str:
         return f"http://{client_host(self.metrics_host)}:{self.metrics_port}/metrics"
 
-    def log_tail(self, max_bytes: int = 8000) -> str:
-        """The end of the server's output (kept after stop() removed a temporary log)."""
-        return (log_tail(self.log_path, max_bytes) if self.log_path is not None else "") or self._last_tail
-
-    def __repr__(self) -> str:
-        state = "not started" if self.process is None else (
-            f"pid {self.pid} running" if self.poll() is None else f"exited {self.poll()}")
-        return f"<TritonServer {state} http={self.http_url} grpc={self.grpc_url}>"
+    def describe(self) -> str:
+        return f"http={self.http_url} grpc={self.grpc_url}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -38,3 +38,14 @@ def probe(http_url: str, model: str = "prefillonly", timeout: float = 60.0) -> t
         return alive, f"HTTP {e.code}: {error or e.reason}"
     except (urllib.error.URLError, OSError, ValueError) as e:  # refused, reset, timed out
         return False, f"no answer within {timeout:.0f} s: {getattr(e, 'reason', e)}"
+
+
+def ready_status(http_url: str, timeout: float = 5.0) -> int:
+    """HTTP status of GET /v2/health/ready (0: no answer at all). 200 = every model ready."""
+    try:
+        with urllib.request.urlopen(f"{http_url}/v2/health/ready", timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, OSError):
+        return 0

@@ -1,0 +1,145 @@
+"""LoggedProcess: a long-running child in its own process group, its output appended to a log.
+
+The common half of TritonServer (launcher.py) and EnvoyProxy (envoy.py): spawning, the log and
+its tail, signals to the whole group (Triton's Python stubs go with it), readiness polling, and an
+atexit net so that a crashed test or script never leaves a server or proxy behind. Standard
+library only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+_LIVE: "set[LoggedProcess]" = set()
+_LIVE_LOCK = threading.Lock()
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    with _LIVE_LOCK:
+        leftovers = list(_LIVE)
+    for proc in leftovers:
+        with contextlib.suppress(Exception):
+            proc.stop(timeout=5)
+
+
+def log_tail(path: str | os.PathLike, max_bytes: int = 8000) -> str:
+    """The last `max_bytes` of a log file ("" if it is gone)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+class LoggedProcess:
+    name = "process"  # in messages and temporary log names
+    error: type[Exception] = RuntimeError  # what spawn and wait failures raise
+
+    def __init__(self):
+        self.process: subprocess.Popen | None = None
+        self.command: list[str] = []
+        self.log_path: Path | None = None
+        self._own_log = False  # a temporary log, removed on release (its tail is kept)
+        self._log_file = None
+        self._last_tail = ""
+
+    # -- subclasses implement ----------------------------------------------------------------
+    def is_ready(self) -> bool:
+        raise NotImplementedError
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """Addresses for repr()."""
+        return ""
+
+    # -- shared --------------------------------------------------------------------------------
+    def _spawn(self, command, log_path: str | os.PathLike | None, **popen_kwargs) -> None:
+        """Start `command` (stdout and stderr appended to `log_path`, default a temporary file)."""
+        if log_path is None:
+            fd, name = tempfile.mkstemp(prefix=f"{self.name}-", suffix=".log")
+            os.close(fd)
+            self.log_path, self._own_log = Path(name), True
+        else:
+            self.log_path, self._own_log = Path(log_path), False
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.command = [str(c) for c in command]
+        self._log_file = open(self.log_path, "ab", buffering=0)
+        try:
+            self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=self._log_file,
+                                            stderr=subprocess.STDOUT, start_new_session=True, **popen_kwargs)
+        except OSError as e:
+            self._release()
+            raise self.error(f"could not run {self.command[0]}: {e}") from e
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def poll(self) -> int | None:
+        """None while running, else the exit status (negative: killed by that signal)."""
+        return self.process.poll() if self.process is not None else None
+
+    def send_signal(self, sig: int) -> None:
+        """Signal the whole process group."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, sig)
+
+    def wait_ready(self, timeout: float, step: float = 0.2, hint: str = ""):
+        """Poll is_ready() until it holds; self.error with the log's tail at once if the process
+        exits, or after `timeout` seconds (`hint` says what a hang usually means)."""
+        if self.process is None:
+            raise self.error(f"{self.name} not started")
+        deadline = time.monotonic() + timeout
+        while True:
+            rc = self.process.poll()
+            if rc is not None:
+                raise self.error(f"{self.name} exited with status {rc} before it was ready "
+                                 f"(command: {' '.join(self.command)})\n--- log tail ---\n{self.log_tail()}")
+            if self.is_ready():
+                return self
+            if time.monotonic() >= deadline:
+                raise self.error(f"{self.name} not ready after {timeout:.0f} s (still running, pid {self.pid}{hint})"
+                                 f"\n--- log tail ---\n{self.log_tail()}")
+            time.sleep(step)
+
+    def log_tail(self, max_bytes: int = 8000) -> str:
+        """The end of the output (kept after release removed a temporary log)."""
+        return (log_tail(self.log_path, max_bytes) if self.log_path is not None else "") or self._last_tail
+
+    def _release(self) -> None:
+        """After the process ended: forget it, close the log (a temporary one is removed)."""
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        if self._own_log and self.log_path is not None:
+            self._last_tail = self.log_tail()
+            with contextlib.suppress(OSError):
+                self.log_path.unlink()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "not started" if self.process is None else (
+            f"pid {self.pid} running" if self.poll() is None else f"exited {self.poll()}")
+        return f"<{type(self).__name__} {state} {self.describe()}>"
