@@ -27,7 +27,7 @@ def drain_file_from_env() -> Path | None:
 
 
 class DrainWatch:
-    """The model's side: poll() once per watcher round; True (once) when a drain was requested."""
+    """The model's side: requested() once per watcher round is True (once) when a drain was asked for."""
 
     def __init__(self, drain_file: str | os.PathLike | None):
         self.drain_file = Path(drain_file) if drain_file else None

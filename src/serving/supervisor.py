@@ -117,17 +117,9 @@ class Supervisor:
                           host="127.0.0.1" if o.proxy else o.host, metrics_host=o.host, log_path=o.log_path,
                           extra_args=o.extra_args, log_verbose=o.log_verbose, exit_timeout_secs=o.exit_timeout_secs,
                           admin_key=o.admin_key, open_admin_api=o.open_admin_api)
-        deadline = time.monotonic() + o.ready_timeout_s
-        while not self.server.is_ready():  # wait_ready, but a stop request ends the wait too
-            if self.server.poll() is not None:
-                raise ServerError(f"tritonserver exited with status {self.server.poll()} before it was ready"
-                                  f"\n--- log tail ---\n{self.server.log_tail()}")
-            if (stop is not None and stop.is_set()) or self._stopping.is_set():
-                return False
-            if time.monotonic() > deadline:
-                raise ServerError(f"tritonserver not ready after {o.ready_timeout_s:.0f} s\n--- log tail ---\n"
-                                  + self.server.log_tail())
-            time.sleep(0.2)
+        stopping = lambda: (stop is not None and stop.is_set()) or self._stopping.is_set()  # noqa: E731
+        if self.server.wait_ready(o.ready_timeout_s, stop_requested=stopping) is None:
+            return False
         self._stub_pids = self.server.stub_pids()
         self._next_probe = time.monotonic() + o.probe_interval_s
         return True
