@@ -438,7 +438,7 @@ def fit_mil(points: list[dict], budget: int) -> dict | None:
 
 def engine_would_use_inplace(spec, tokens: int, budget: int) -> bool:
     """What the engine does with activation_budget_bytes = budget: in-place attention only when the
-    ordinary hybrid path does not fit (Engine._memory_plan)."""
+    ordinary hybrid path does not fit (PrefillRunner.needs_inplace_attention)."""
     import torch
 
     from prefillonly.memory import predict_peak_bytes

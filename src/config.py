@@ -16,6 +16,10 @@ from .kernels.attention import BACKENDS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 64
+# Uncached tokens per forward step by device type. CPU: from perf/bench_batching.py's sweep
+# (README "Batching"); CUDA: not measured yet (no GPU lent), the batch size at which an
+# H100-class GPU's matmuls are compute-bound for an 8B model, as vLLM's default.
+DEFAULT_MAX_BATCH_TOKENS = {"cpu": 2048, "cuda": 8192}
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
 
@@ -44,6 +48,7 @@ class EngineConfig:
     scheduling_policy: str = "csjf"  # fcfs | sjf | csjf (continuous JCT-calibrated shortest job first)
     lambda_tokens_per_s: float = 500.0  # csjf starvation guard: tokens of credit per second waited
     max_waiting: int = 1024  # waiting requests beyond this are refused at once ("overloaded")
+    max_batch_tokens: int | None = None  # uncached tokens one forward step may pack; None = the device's default; 1 = no batching
     cache_dir: str = field(default_factory=default_cache_dir)  # converted default model
 
     def __post_init__(self) -> None:
@@ -71,6 +76,7 @@ class EngineConfig:
             self.max_prompts_per_request = min(DEFAULT_MAX_PROMPTS_PER_REQUEST, self.max_waiting)
         self.max_allowed_tokens = _optional_int("max_allowed_tokens", self.max_allowed_tokens, minimum=1)
         self.max_prompt_bytes = _optional_int("max_prompt_bytes", self.max_prompt_bytes, minimum=1)
+        self.max_batch_tokens = _optional_int("max_batch_tokens", self.max_batch_tokens, minimum=1)
         if self.max_prompts_per_request > self.max_waiting:
             # such a request could never be queued whole: it would be answered "overloaded" forever
             raise ConfigError(f"max_prompts_per_request {self.max_prompts_per_request} is over max_waiting "
@@ -98,6 +104,13 @@ class EngineConfig:
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+    @property
+    def batch_token_budget(self) -> int:
+        """max_batch_tokens, or the default of the device type (README "Batching")."""
+        if self.max_batch_tokens is not None:
+            return self.max_batch_tokens
+        return DEFAULT_MAX_BATCH_TOKENS["cuda" if self.device.startswith("cuda") else "cpu"]
 
     @classmethod
     def from_strings(cls, values: dict[str, str]) -> "EngineConfig":

@@ -1,54 +1,45 @@
-"""Engine: the public entry point. Loads a model once, scores prompts one forward pass each.
+"""Engine: the public entry point. Loads a model once, scores prompts in batched forward steps.
 
     with Engine(EngineConfig()) as engine:
         r = engine.score("Is the sky blue? Answer:", [" Yes", " No"])
         r.chosen.text, r.chosen.prob
 
-Request path: submit() validates + tokenizes in the caller's thread (prompts.py) and puts
-the request in the waiting set -> the worker thread asks the scheduler for the next request
-(scheduler/: FCFS | SJF | CSJF, against the prefix cache's current state) -> prefix cache:
-match/pin cached blocks, reserve blocks to keep (cache/) -> admission (memory budget) ->
-HybridPrefillExecutor.forward over the uncached tokens (executor.py) -> commit the new blocks
--> ScoreResult (scoring.py) -> the request's Future.
+Request path: submit() validates + tokenizes in the caller's thread (prompts.py, request.py)
+into a ScoreRequest and puts it in the waiting set -> the worker thread asks the scheduler for
+the next step (scheduler/: FCFS | SJF | CSJF order against the prefix cache's current state,
+filled under max_batch_tokens and the activation budget) -> PrefillRunner (runner.py): prefix
+cache begin (pin cached blocks, reserve blocks to keep) -> HybridPrefillExecutor.forward_batch
+over every member's uncached tokens (executor.py) -> commit the new blocks -> ScoreResults
+(scoring.py) -> each request's Future.
 """
 
 from __future__ import annotations
 
 import logging
-import numbers
 import os
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from .cache import PrefixCache
-from .cache.prefix_kv import PrefixKV
 from .config import EngineConfig
 from .default_model import ensure_default_model
-from .errors import (
-    ConfigError,
-    DeadlineExceededError,
-    EngineClosedError,
-    InvalidRequestError,
-    OverBudgetError,
-    PrefillOnlyError,
-    PromptTooLongError,
-)
+from .errors import ConfigError, DeadlineExceededError, EngineClosedError, PrefillOnlyError
 from .executor import HybridPrefillExecutor
-from .kernels.attention import inplace_attention_supported, resolve_backend
+from .kernels.attention import resolve_backend
 from .limits import RequestLimits, max_token_bytes
-from .memory import PeakMemoryMeter, available_memory_bytes, predict_peak_bytes
+from .memory import available_memory_bytes
 from .model_spec import ModelSpec
-from .prompts import PromptEncoder, decode_utf8
+from .prompts import PromptEncoder
+from .request import (ScoreRequest, check_cache_prefix_len, check_deadline, check_length, check_namespace,
+                      check_priority, check_top_k)
 from .result import ScoreResult
+from .runner import PrefillRunner
 from .scheduler import JctEstimator, Scheduler, WaitingRequest
-from .scoring import build_result
 from .weights import ModelWeights
 
 log = logging.getLogger("prefillonly")
@@ -57,6 +48,7 @@ log = logging.getLogger("prefillonly")
 # then the activation budget out of what is left.
 _DEFAULT_CACHE_FRACTION = 0.2
 _DEFAULT_BUDGET_FRACTION = 0.9
+_RECENT_STEPS = 256  # step sizes kept for the metrics' histograms (read far more often than this fills)
 
 
 class Engine:
@@ -72,7 +64,7 @@ class Engine:
         weights = ModelWeights.load(self.model_path, self.spec, self.dtype, self.device)
         self.weight_bytes = weights.nbytes()
         backend = resolve_backend(config.attention_backend, self.device)
-        self.executor = HybridPrefillExecutor(self.spec, weights, self.dtype, self.device, backend)
+        self.executor = executor = HybridPrefillExecutor(self.spec, weights, self.dtype, self.device, backend)
         tokenizer = _load_tokenizer(self.model_path)
         self.max_input_len = config.max_input_len or self.spec.context_length
         self.limits = _request_limits(config, self.max_input_len, tokenizer)
@@ -89,26 +81,31 @@ class Engine:
         # the pool's pages are counted now even where the OS maps them lazily (CPU)
         self.activation_budget_bytes = config.activation_budget_bytes or int(_DEFAULT_BUDGET_FRACTION * max(0, free - cache_bytes))
         self.cache = self._make_cache(cache_bytes)
-        self._meter = PeakMemoryMeter(self.device)
-        self.executor.forward(torch.zeros(8, dtype=torch.long), config.chunk_size)  # warm-up
+        executor.forward(torch.zeros(8, dtype=torch.long), config.chunk_size)  # warm-up
         self.jct = JctEstimator(fallback_s_per_token=self._time_per_token())
-        self.scheduler = Scheduler(config.scheduling_policy, self.jct, self._scheduler_cached_tokens,
-                                   max_waiting=config.max_waiting, lambda_tokens_per_s=config.lambda_tokens_per_s)
+        self.max_batch_tokens = config.batch_token_budget
         self.counters: Counter = Counter()  # completed, failed, rejected:<code>, cancelled
+        self.runner = PrefillRunner(executor, self.cache, self.activation_budget_bytes, config.chunk_size,
+                                    self.max_batch_tokens, self.jct, self.encoder.token_text, self.counters)
+        self.scheduler = Scheduler(config.scheduling_policy, self.jct, self._scheduler_cached_tokens,
+                                   max_waiting=config.max_waiting, lambda_tokens_per_s=config.lambda_tokens_per_s,
+                                   block_size=config.cache_block_size if self.cache else 0)
+        self._steps = 0
+        self._recent_steps: deque[tuple[int, int]] = deque(maxlen=_RECENT_STEPS)  # (tokens computed, requests)
         self._cv = threading.Condition()  # guards the scheduler and _closed
         self._closed = False
-        # one worker runs one request at a time (prefill is compute-bound); daemon: it never
+        # one worker runs one forward step at a time (prefill is compute-bound); daemon: it never
         # keeps the process alive, and close() fails whatever still waits
         self._worker = threading.Thread(target=self._serve, name="prefillonly-engine", daemon=True)
         self._worker.start()
         log.info(
             "engine ready: %s (%s, %d layers) %s on %s, chunk %s, attention %s, max input %d, "
             "prefix cache %.1f MiB in blocks of %d (+%.1f MiB second tier), activation budget %.1f MiB, "
-            "scheduling %s, %.1f s",
+            "scheduling %s, up to %d tokens per step, %.1f s",
             self.model_path, self.spec.architecture, self.spec.num_layers, config.dtype, self.device,
             config.chunk_size or "none", backend, self.max_input_len,
             cache_bytes / 2**20, config.cache_block_size, config.cache_second_tier_bytes / 2**20,
-            self.activation_budget_bytes / 2**20, config.scheduling_policy, time.perf_counter() - t0,
+            self.activation_budget_bytes / 2**20, config.scheduling_policy, self.max_batch_tokens, time.perf_counter() - t0,
         )
 
     # -- public API -------------------------------------------------------------------
@@ -127,13 +124,13 @@ class Engine:
         Bad input raises here, in the caller's thread; the Future never sees it.
         """
         allowed_ids = self.encoder.resolve_allowed(allowed_tokens)
-        top_k = self._check_top_k(top_k)
+        top_k = check_top_k(top_k, self.spec.vocab_size)
         ids = self.encoder.encode_prompt(prompt, apply_chat_template=apply_chat_template)
-        keep = self._check_cache_prefix_len(cache_prefix_len, len(ids))
-        namespace = _check_namespace(cache_namespace, user)
-        self._check_length(len(ids))
-        run = lambda: self._run_single(ids, allowed_ids, top_k, keep, namespace)  # noqa: E731
-        return self._enqueue(ids, namespace, run, priority, deadline_s, user)
+        keep = check_cache_prefix_len(cache_prefix_len, len(ids))
+        namespace = check_namespace(cache_namespace, user)
+        check_length(len(ids), self.max_input_len)
+        request = ScoreRequest(ids, allowed_ids, top_k, keep, namespace)
+        return self._enqueue(request, priority, deadline_s, user)
 
     def submit_items(self, prompt, items, allowed_tokens, *, item_template: str | None = None, top_k: int = 0,
                      apply_chat_template: bool = False, cache_prefix_len: int | None = None,
@@ -149,14 +146,14 @@ class Engine:
         (cache_prefix_len defaults to the whole shared prompt).
         """
         allowed_ids = self.encoder.resolve_allowed(allowed_tokens)
-        top_k = self._check_top_k(top_k)
+        top_k = check_top_k(top_k, self.spec.vocab_size)
         shared = self.encoder.encode_prompt(prompt, apply_chat_template=apply_chat_template)
-        item_ids = self._encode_items(items, item_template)
-        keep = self._check_cache_prefix_len(cache_prefix_len, len(shared))
-        namespace = _check_namespace(cache_namespace, user)
-        self._check_length(len(shared) + max(len(x) for x in item_ids))
-        run = lambda: self._run_items(shared, item_ids, allowed_ids, top_k, keep, namespace)  # noqa: E731
-        return self._enqueue(shared, namespace, run, priority, deadline_s, user, extra_tokens=sum(map(len, item_ids)))
+        item_ids = self.encoder.encode_items(items, item_template)
+        keep = check_cache_prefix_len(cache_prefix_len, len(shared))
+        namespace = check_namespace(cache_namespace, user)
+        check_length(len(shared) + max(len(x) for x in item_ids), self.max_input_len)
+        request = ScoreRequest(shared, allowed_ids, top_k, keep, namespace, item_ids=item_ids)
+        return self._enqueue(request, priority, deadline_s, user)
 
     def score(self, prompt, allowed_tokens, **kwargs) -> ScoreResult:
         """submit(...).result(): the probabilities of the allowed tokens after `prompt`."""
@@ -167,11 +164,12 @@ class Engine:
         return self.submit_items(prompt, items, allowed_tokens, **kwargs).result()
 
     def stats(self) -> dict:
-        """Counters for metrics: requests by outcome, waiting, JCT error, prefix cache."""
+        """Counters for metrics: requests by outcome, waiting, JCT error, prefix cache, steps."""
         with self._cv:
             waiting = len(self.scheduler)
+            steps, recent = self._steps, list(self._recent_steps)
         out = {"waiting": waiting, **self.counters, "jct_mean_abs_rel_error": self.jct.mean_abs_relative_error(),
-               "tokens_computed": self.executor.tokens_computed}
+               "tokens_computed": self.executor.tokens_computed, "steps": steps, "recent_steps": recent}
         out["budget_bytes"] = {"weights": self.weight_bytes, "activation": self.activation_budget_bytes,
                                **{f"cache_tier{t}": b for t, b in (self.cache.capacity_bytes() if self.cache else {}).items()}}
         if self.cache is not None:
@@ -181,13 +179,11 @@ class Engine:
 
     def predict_peak_bytes(self, new_tokens: int, prefix_tokens: int = 0, inplace_attention: bool = False) -> int:
         """Predicted peak extra memory of computing `new_tokens` after `prefix_tokens` cached ones."""
-        return predict_peak_bytes(self.spec, new_tokens, self.config.chunk_size, self.dtype, prefix_tokens,
-                                  inplace_attention=inplace_attention, attention_backend=self.executor.attention_backend,
-                                  device=self.device)
+        return self.runner.predict_peak_bytes([(new_tokens, prefix_tokens)], inplace_attention=inplace_attention)
 
     def close(self, timeout: float | None = None) -> None:
         """Stop taking work; fail every waiting request with EngineClosedError; let the running
-        one finish; stop the worker. Idempotent."""
+        step finish; stop the worker. Idempotent."""
         with self._cv:
             already, self._closed = self._closed, True
             waiting = self.scheduler.drain()
@@ -204,14 +200,16 @@ class Engine:
         self.close()
 
     # -- request loop -------------------------------------------------------------------
-    def _enqueue(self, ids, namespace, run: Callable, priority, deadline_s, user, extra_tokens: int = 0) -> Future:
-        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
-            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
-        deadline = _check_deadline(deadline_s)
-        hashes = self.cache.hashes(ids, namespace) if self.cache else []
+    def _enqueue(self, request: ScoreRequest, priority, deadline_s, user) -> Future:
+        priority = check_priority(priority)
+        deadline = check_deadline(deadline_s)
+        if self.cache is not None:
+            request.block_hashes = self.cache.hashes(request.token_ids, request.namespace)
         fut = RequestFuture()
-        req = WaitingRequest(prompt_tokens=len(ids) + extra_tokens, block_hashes=hashes, priority=int(priority),
-                             user=user, payload=_Job(fut, run))
+        block = self.config.cache_block_size
+        req = WaitingRequest(prompt_tokens=request.total_tokens, block_hashes=request.block_hashes, priority=priority,
+                             user=user, payload=_Pending(fut, request), kept_blocks=request.keep_len // block,
+                             runs_alone=request.runs_alone)
         with self._cv:
             if self._closed:
                 raise EngineClosedError("engine is closed")
@@ -240,22 +238,46 @@ class Engine:
                 if self._closed:
                     return
                 expired = self.scheduler.take_expired()
-                req = self.scheduler.pick()
+                picked = self.scheduler.pick_batch(self.max_batch_tokens, self.runner.fits)
             for r in expired:
                 self._fail(r, DeadlineExceededError("deadline passed while the request waited; it was not run"))
-            if req is None or not req.payload.future.set_running_or_notify_cancel():
-                continue  # nothing left, or cancelled between pick and start
-            req.payload.future.started_at = time.monotonic()
-            # Counters move before the Future resolves: its callbacks answer the caller, who may
-            # read stats() (or the metrics endpoint) the moment the answer arrives.
-            try:
-                result = req.payload.run()
-            except BaseException as e:  # every request gets exactly one answer
-                self.counters[f"failed:{getattr(e, 'code', type(e).__name__)}"] += 1
-                req.payload.future.set_exception(e)
+            if picked:
+                self._run_step(picked)
+
+    def _run_step(self, picked: list[WaitingRequest]) -> None:
+        """One forward step over the picked requests; each gets exactly one answer."""
+        step = self.runner.begin([w.payload.request for w in picked])
+        deferred = [picked[i] for i in step.deferred]
+        if deferred:
+            with self._cv:
+                for w in deferred:
+                    self.scheduler.put_back(w)
+        members = picked[: len(step.requests)]
+        now = time.monotonic()
+        for i, w in enumerate(members):
+            if w.payload.future.set_running_or_notify_cancel():
+                w.payload.future.started_at = now
+            else:  # cancelled between the pick and the start
+                self.runner.abort(step, i)
+        outcomes = self.runner.run(step)
+        ran = [(w, o) for w, o, live in zip(members, outcomes, step.live) if live]
+        if ran:
+            computed = sum(r.total_tokens - _cached_of(o) for r, o in ((w.payload.request, o) for w, o in ran))
+            with self._cv:
+                self._steps += 1
+                self._recent_steps.append((computed, len(ran)))
+        # Counters move before the Futures resolve: their callbacks answer the caller, who may
+        # read stats() (or the metrics endpoint) the moment the answer arrives.
+        for w, outcome in ran:
+            if isinstance(outcome, BaseException):
+                self.counters[f"failed:{getattr(outcome, 'code', type(outcome).__name__)}"] += 1
             else:
                 self.counters["completed"] += 1
-                req.payload.future.set_result(result)
+        for w, outcome in ran:
+            if isinstance(outcome, BaseException):
+                w.payload.future.set_exception(outcome)
+            else:
+                w.payload.future.set_result(outcome)
 
     def _fail(self, req: WaitingRequest, error: PrefillOnlyError) -> None:
         fut = req.payload.future
@@ -273,45 +295,6 @@ class Engine:
         self.executor.forward(torch.zeros(n, dtype=torch.long), self.config.chunk_size)
         return (time.perf_counter() - t0) / n
 
-    # -- running one request (worker thread) ---------------------------------------------
-    def _run_single(self, ids, allowed_ids, top_k, keep, namespace) -> ScoreResult:
-        with self._cached_prefix(ids, namespace, keep) as ticket:
-            p = ticket.cached_tokens if ticket else 0
-            inplace = self._memory_plan(len(ids) - p, p)
-            t0 = time.perf_counter()
-            self._meter.start()
-            out = self._forward_uncached(ids, ticket, inplace_attention=inplace)
-            peak = self._meter.peak_growth()
-            self.jct.observe(len(ids) - p, p, time.perf_counter() - t0)
-        return build_result(out.logits, allowed_ids, top_k, self.encoder.token_text, len(ids), p, peak)
-
-    def _run_items(self, shared, item_ids, allowed_ids, top_k, keep, namespace) -> list[ScoreResult]:
-        results = []
-        with self._cached_prefix(shared, namespace, keep) as ticket:
-            p = ticket.cached_tokens if ticket else 0
-            inplace_shared = self._memory_plan(len(shared) - p, p, captured=len(shared))
-            # the items run while the shared K/V is held: count it like a capture of that size
-            inplace_items = self._memory_plan(max(len(x) for x in item_ids), len(shared), captured=len(shared))
-            # the shared prompt's K/V for every layer, held for this request only
-            shared_kv: PrefixKV = self._forward_uncached(shared, ticket, capture=(0, len(shared)),
-                                                         inplace_attention=inplace_shared).captured
-            for ids in item_ids:
-                self._meter.start()
-                out = self.executor.forward(torch.tensor(ids, dtype=torch.long), self.config.chunk_size, prefix=shared_kv,
-                                            inplace_attention=inplace_items)
-                peak = self._meter.peak_growth()
-                results.append(build_result(out.logits, allowed_ids, top_k, self.encoder.token_text,
-                                            len(shared) + len(ids), p, peak))
-        return results
-
-    def _forward_uncached(self, ids, ticket, **kwargs):
-        """The forward over the tokens the cache did not hold, fed the cached prefix and keeping
-        the ticket's blocks."""
-        p = ticket.cached_tokens if ticket else 0
-        return self.executor.forward(torch.tensor(ids[p:], dtype=torch.long), self.config.chunk_size,
-                                     prefix=ticket.source if ticket else None, sink=ticket.sink if ticket else None,
-                                     **kwargs)
-
     # -- prefix cache -------------------------------------------------------------------------
     def _make_cache(self, budget_bytes: int) -> PrefixCache | None:
         block = self.config.cache_block_size
@@ -323,83 +306,6 @@ class Engine:
             return None
         return cache
 
-    @contextmanager
-    def _cached_prefix(self, ids, namespace, keep_len):
-        """Pin the cached prefix and reserve blocks to keep; commit them if the body succeeds."""
-        if self.cache is None:
-            yield None
-            return
-        ticket = self.cache.begin(ids, namespace, keep_len)
-        try:
-            yield ticket
-        except BaseException:
-            self.cache.abort(ticket)
-            raise
-        self.cache.commit(ticket)
-
-    # -- validation and admission -------------------------------------------------------
-    def _check_length(self, n: int) -> None:
-        if n > self.max_input_len:
-            raise PromptTooLongError(f"prompt has {n} tokens, over the max input length {self.max_input_len}")
-
-    def _memory_plan(self, new_tokens: int, prefix_tokens: int, captured: int = 0) -> bool:
-        """Admit a forward against the activation budget. Returns whether it must write
-        attention in place (CPU: slower, no second [S, q_width] tensor) to fit; raises
-        OverBudgetError if it fits neither way."""
-
-        def need(inplace: bool) -> int:
-            return predict_peak_bytes(self.spec, new_tokens, self.config.chunk_size, self.dtype, prefix_tokens,
-                                      captured, inplace_attention=inplace, attention_backend=self.executor.attention_backend,
-                                      device=self.device)
-
-        if need(False) <= self.activation_budget_bytes:
-            return False
-        if inplace_attention_supported(self.device) and need(True) <= self.activation_budget_bytes:
-            self.counters["inplace_attention"] += 1
-            return True
-        raise OverBudgetError(
-            f"a {new_tokens + prefix_tokens}-token prompt needs ~{need(inplace_attention_supported(self.device)) / 2**20:.1f} MiB "
-            f"of activation memory, over the budget of {self.activation_budget_bytes / 2**20:.1f} MiB "
-            f"(raise activation_budget_bytes or lower chunk_size)"
-        )
-
-    def _check_top_k(self, top_k) -> int:
-        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
-            raise InvalidRequestError(f"top_k must be an integer, got {top_k!r}")
-        if not 0 <= top_k <= self.spec.vocab_size:
-            raise InvalidRequestError(f"top_k {top_k} must be between 0 and the vocabulary size {self.spec.vocab_size}")
-        return int(top_k)
-
-    @staticmethod
-    def _check_cache_prefix_len(value, prompt_len: int) -> int:
-        if value is None:
-            return prompt_len
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise InvalidRequestError(f"cache_prefix_len must be an integer, got {value!r}")
-        if not 0 <= value <= prompt_len:
-            raise InvalidRequestError(f"cache_prefix_len {value} must be between 0 and the prompt length {prompt_len}")
-        return int(value)
-
-    def _encode_items(self, items, template: str | None) -> list[list[int]]:
-        if items is None or isinstance(items, (str, bytes)) or not hasattr(items, "__len__"):
-            raise InvalidRequestError("items must be a list of item texts or token-id lists")
-        if len(items) == 0:
-            raise InvalidRequestError("items is empty; give at least one item")
-        self.limits.check_count(len(items), "items", "max_items")
-        if template is not None:
-            _check_item_template(template)
-            self.limits.check_text(template, "item_template")
-        out = []
-        for i, item in enumerate(items):
-            if isinstance(item, (bytes, bytearray)):
-                self.limits.check_text(item, f"item {i}")  # before decoding it
-                item = decode_utf8(bytes(item), f"item {i}")
-            if template is not None and isinstance(item, str):
-                self.limits.check_text(item, f"item {i}")  # before the template copies it
-                item = template.replace(ITEM_PLACEHOLDER, item)
-            out.append(self.encoder.encode_prompt(item, what=f"item {i}", add_special_tokens=False))
-        return out
-
 
 class RequestFuture(Future):
     """The Future submit() returns. started_at: time.monotonic() when the worker started the
@@ -409,21 +315,18 @@ class RequestFuture(Future):
 
 
 @dataclass
-class _Job:
+class _Pending:
     future: Future
-    run: Callable[[], object]
+    request: ScoreRequest
 
 
-ITEM_PLACEHOLDER = "{item}"
-
-
-def _check_item_template(template) -> None:
-    """Only the literal {item} is replaced; everything else is text (no format specs, no fields:
-    str.format would let a client ask for `{item:>4000000}` or `{item.__class__}`)."""
-    if not isinstance(template, str):
-        raise InvalidRequestError(f"item_template must be a string, got {type(template).__name__}")
-    if ITEM_PLACEHOLDER not in template:
-        raise InvalidRequestError(f"item_template {template[:80]!r} has no {ITEM_PLACEHOLDER}: each item would be lost")
+def _cached_of(outcome) -> int:
+    """Prompt tokens a finished request took from the cache (0 for a failure)."""
+    if isinstance(outcome, ScoreResult):
+        return outcome.cached_tokens
+    if isinstance(outcome, list) and outcome:
+        return outcome[0].cached_tokens
+    return 0
 
 
 def _request_limits(config: EngineConfig, max_input_len: int, tokenizer) -> RequestLimits:
@@ -433,21 +336,6 @@ def _request_limits(config: EngineConfig, max_input_len: int, tokenizer) -> Requ
     return RequestLimits(max_prompt_bytes=config.max_prompt_bytes or derived,
                          max_prompts_per_request=config.max_prompts_per_request, max_items=config.max_items,
                          max_allowed_tokens=config.max_allowed_tokens, max_token_bytes=token_bytes)
-
-
-def _check_namespace(namespace, user) -> str | None:
-    for name, value in (("cache_namespace", namespace), ("user", user)):
-        if value is not None and not isinstance(value, str):
-            raise InvalidRequestError(f"{name} must be a string, got {type(value).__name__}")
-    return namespace if namespace is not None else user
-
-
-def _check_deadline(deadline_s) -> float | None:
-    if deadline_s is None:
-        return None
-    if isinstance(deadline_s, bool) or not isinstance(deadline_s, numbers.Real) or not deadline_s > 0:
-        raise InvalidRequestError(f"deadline_s must be a positive number of seconds, got {deadline_s!r}")
-    return float(deadline_s)
 
 
 def _load_tokenizer(folder: str):

@@ -1,19 +1,23 @@
-"""Hybrid-prefill executor: one forward pass over a prompt, logits for the last position only.
+"""Hybrid-prefill executor: one forward pass over a batch of prompts, logits for each one's last position.
 
-Per layer (DESIGN.md §2):
-  A. per token chunk: RMSNorm -> fused QKV matmul -> (q/k norm) -> RoPE, written into the
-     layer's full-length Q/K/V buffers;
-  B. attention over the whole sequence at once (kernels.causal_attention);
+Per layer:
+  A. per token chunk of the packed rows: RMSNorm -> fused QKV matmul -> (q/k norm) -> RoPE at
+     each sequence's own positions, written into that sequence's Q/K/V segment;
+  B. attention per sequence, over its whole length at once (kernels.causal_attention), its
+     cached prefix K/V first;
   C. per token chunk: o_proj + residual add, RMSNorm, fused gate/up matmul, SwiGLU, down_proj
      + residual add, in place on the residual stream.
-Only the residual stream [S, d], one layer's Q/K/V/attention output and one chunk's
-temporaries are alive at once (workspace.py lists them); K/V of a layer is overwritten by the
-next layer unless the caller asked to capture a prefix of it.
+The B sequences of a ForwardBatch are packed row after row: the per-token ops (all the
+matmuls) run over [sum S_i] rows, so every layer's weights are read once per chunk for the
+whole batch instead of once per request; only attention is per sequence. Only the residual
+stream, one layer's Q/K/V/attention output and one chunk's temporaries are alive at once
+(workspace.py lists them); a layer's K/V is overwritten by the next layer unless a sink
+keeps it or the caller asked to capture a range of it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,9 +32,73 @@ from .workspace import allocate, plan_workspace
 
 
 @dataclass
+class Sequence:
+    """One member of a ForwardBatch: new tokens after an optional cached prefix."""
+
+    token_ids: torch.Tensor  # [S] int64, S >= 1: the tokens to compute
+    prefix: PrefixSource | None = None  # fills the first P positions of each layer's K/V
+    sink: KVSink | None = None  # offered each layer's K/V ([kv_heads, P + S, head_dim]) to keep
+    capture: tuple[int, int] | None = None  # return the K/V of absolute positions [start, end)
+
+    @property
+    def new_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def prefix_tokens(self) -> int:
+        return self.prefix.length if self.prefix is not None else 0
+
+
+@dataclass
+class ForwardBatch:
+    """B sequences computed in one forward. Row r of the packed new tokens belongs to the
+    sequence whose [row_start, row_start + S) holds it; its K/V segment starts at kv_start."""
+
+    sequences: list[Sequence]
+    row_starts: list[int] = field(init=False)
+    kv_starts: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.sequences:
+            raise ValueError("a ForwardBatch needs at least one sequence")
+        self.row_starts, self.kv_starts = [], []
+        rows = kv = 0
+        for s in self.sequences:
+            if s.new_tokens < 1:
+                raise ValueError("every sequence needs at least one new token")
+            self.row_starts.append(rows)
+            self.kv_starts.append(kv)
+            rows += s.new_tokens
+            kv += s.prefix_tokens + s.new_tokens
+
+    @property
+    def new_tokens(self) -> int:
+        return self.row_starts[-1] + self.sequences[-1].new_tokens
+
+    @property
+    def prefix_tokens(self) -> int:
+        return sum(s.prefix_tokens for s in self.sequences)
+
+    def pieces(self, c0: int, c1: int) -> list[tuple[int, int, int]]:
+        """The parts of packed rows [c0, c1) by sequence: (sequence index, first local row, end local row)."""
+        out = []
+        for i, (start, s) in enumerate(zip(self.row_starts, self.sequences)):
+            r0, r1 = max(c0, start) - start, min(c1, start + s.new_tokens) - start
+            if r0 < r1:
+                out.append((i, r0, r1))
+        return out
+
+
+@dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [vocab] float32, next-token logits after the last prompt position
     captured: PrefixKV | None  # K/V of the requested capture range, if any
+
+
+@dataclass
+class BatchOutput:
+    logits: torch.Tensor  # [B, vocab] float32: row i after sequence i's last position
+    captured: list[PrefixKV | None]  # per sequence, the K/V of its capture range
 
 
 class HybridPrefillExecutor:
@@ -45,60 +113,79 @@ class HybridPrefillExecutor:
         self.rope_dtype = rope_table_dtype(device, dtype)
         self.tokens_computed = 0  # prompt tokens run through the layers, all requests (a counter)
 
-    @torch.inference_mode()
-    def forward(
-        self,
-        token_ids: torch.Tensor,
-        chunk_size: int | None,
-        prefix: PrefixSource | None = None,
-        sink: KVSink | None = None,
-        capture: tuple[int, int] | None = None,
-        inplace_attention: bool = False,
-    ) -> ForwardOutput:
-        """Run the new tokens `token_ids` ([S] int64, S >= 1) after an optional cached `prefix`.
+    def forward(self, token_ids: torch.Tensor, chunk_size: int | None, prefix: PrefixSource | None = None,
+                sink: KVSink | None = None, capture: tuple[int, int] | None = None,
+                inplace_attention: bool = False) -> ForwardOutput:
+        """One sequence: the new tokens `token_ids` ([S] int64, S >= 1) after an optional cached
+        `prefix` (a batch of one; see forward_batch for the arguments)."""
+        out = self.forward_batch(ForwardBatch([Sequence(token_ids, prefix, sink, capture)]), chunk_size, inplace_attention)
+        return ForwardOutput(logits=out.logits[0], captured=out.captured[0])
 
-        chunk_size None (or >= S) means no chunking. `sink` is offered each layer's K/V (the
-        prefix cache keeps its blocks); `capture=(start, end)` returns the K/V of absolute
-        positions [start, end) (prefix positions included) as a PrefixKV. inplace_attention
-        writes attention's output over Q block by block (less memory, slower; CPU only). The
-        compiled CPU kernel always writes over Q: it costs nothing there.
+    @torch.inference_mode()
+    def forward_batch(self, batch: ForwardBatch, chunk_size: int | None, inplace_attention: bool = False) -> BatchOutput:
+        """Run every sequence of `batch` in one pass over the layers.
+
+        chunk_size None (or >= the packed rows) means no chunking. Each sequence's `sink` is
+        offered each layer's K/V (the prefix cache keeps its blocks); `capture=(start, end)`
+        returns the K/V of absolute positions [start, end) (prefix positions included).
+        inplace_attention writes attention's output over Q block by block (less memory, slower;
+        CPU only). The compiled CPU kernel always writes over Q: it costs nothing there.
         """
-        spec = self.spec
-        p = prefix.length if prefix is not None else 0
-        capture_sink = CaptureSink(*capture) if capture else None
-        sink = Sinks(sink, capture_sink) if (sink is not None or capture_sink is not None) else None
-        plan = plan_workspace(spec, int(token_ids.shape[0]), chunk_size, self.dtype, p,
+        spec, seqs = self.spec, batch.sequences
+        captures = [CaptureSink(*s.capture) if s.capture else None for s in seqs]
+        sinks = [Sinks(s.sink, c) if (s.sink is not None or c is not None) else None for s, c in zip(seqs, captures)]
+        plan = plan_workspace(spec, batch.new_tokens, chunk_size, self.dtype, batch.prefix_tokens,
                               fp32_scratch=rms_norm_needs_scratch(self.device, self.dtype, spec.qk_norm))
         ws = allocate(plan, self.device)
-        torch.index_select(self.weights.embed, 0, token_ids.to(self.device), out=ws["hidden"])
+        ids = torch.cat([s.token_ids for s in seqs]) if len(seqs) > 1 else seqs[0].token_ids
+        torch.index_select(self.weights.embed, 0, ids.to(self.device), out=ws["hidden"])
         chunks = [(c0, min(plan.new_tokens, c0 + plan.chunk)) for c0 in range(0, plan.new_tokens, plan.chunk)]
-        rope = [self.rotary.cos_sin(p + c0, p + c1, self.rope_dtype) for c0, c1 in chunks]
+        # each chunk's pieces with their rows' RoPE tables, built once and reused by every layer
+        pieces = [[(i, r0, r1, *self.rotary.cos_sin(seqs[i].prefix_tokens + r0, seqs[i].prefix_tokens + r1, self.rope_dtype))
+                   for i, r0, r1 in batch.pieces(c0, c1)] for c0, c1 in chunks]
+        # per sequence: its queries (packed rows) and its K/V segment ([Hkv, P + S, hd])
+        qs = [ws["q"][:, r : r + s.new_tokens] for r, s in zip(batch.row_starts, seqs)]
+        ks = [ws["k"][:, a : a + s.prefix_tokens + s.new_tokens] for a, s in zip(batch.kv_starts, seqs)]
+        vs = [ws["v"][:, a : a + s.prefix_tokens + s.new_tokens] for a, s in zip(batch.kv_starts, seqs)]
         inplace_attention = inplace_attention or cpu_flash_applies(self.attention_backend, ws["q"])
 
         for li, layer in enumerate(self.weights.layers):
-            if prefix is not None and p:
-                prefix.load(li, ws["k"][:, :p], ws["v"][:, :p])
-            for (c0, c1), (cos, sin) in zip(chunks, rope):
-                self._qkv_chunk(layer, ws, p, c0, c1, cos, sin)
-            if sink is not None:
-                sink.store(li, ws["k"], ws["v"])
-            if inplace_attention:
-                attn = causal_attention_inplace(ws["q"], ws["k"], ws["v"], self.scale, backend=self.attention_backend)  # == ws["q"]
+            for s, k, v in zip(seqs, ks, vs):
+                if s.prefix_tokens:
+                    s.prefix.load(li, k[:, : s.prefix_tokens], v[:, : s.prefix_tokens])
+            for (c0, c1), chunk_pieces in zip(chunks, pieces):
+                self._qkv_chunk(layer, ws, c0, c1, chunk_pieces, seqs, ks, vs)
+            for sink, k, v in zip(sinks, ks, vs):
+                if sink is not None:
+                    sink.store(li, k, v)
+            if inplace_attention:  # each output is its own query segment
+                attn = [causal_attention_inplace(q, k, v, self.scale, backend=self.attention_backend) for q, k, v in zip(qs, ks, vs)]
             else:
-                attn = causal_attention(ws["q"], ws["k"], ws["v"], self.scale, self.attention_backend)  # [Hq, S, hd]
-            for c0, c1 in chunks:
-                self._mlp_chunk(layer, ws, attn, c0, c1)
+                attn = [causal_attention(q, k, v, self.scale, self.attention_backend) for q, k, v in zip(qs, ks, vs)]
+            for (c0, c1), chunk_pieces in zip(chunks, pieces):
+                self._mlp_chunk(layer, ws, attn, c0, c1, chunk_pieces)
             del attn
 
-        hidden = ws["hidden"]
-        last = torch.empty(1, spec.hidden_size, dtype=self.dtype, device=self.device)
-        rms_norm_into(last, hidden[-1:], self.weights.final_norm, spec.rms_norm_eps, ws["scratch32"][:1, : spec.hidden_size])
-        logits = (last @ self.weights.lm_head.t()).float()[0]  # [vocab]: one row, never S x vocab
+        logits = self._last_logits(ws, [r + s.new_tokens - 1 for r, s in zip(batch.row_starts, seqs)])
         self.tokens_computed += plan.new_tokens
-        return ForwardOutput(logits=logits, captured=capture_sink.captured if capture_sink else None)
+        return BatchOutput(logits=logits, captured=[c.captured if c else None for c in captures])
 
-    def _qkv_chunk(self, layer, ws, p, c0, c1, cos, sin) -> None:
-        """A. tokens [c0, c1): norm, fused QKV, (q/k norm), RoPE -> the full-length Q/K/V."""
+    def _last_logits(self, ws, rows: list[int]) -> torch.Tensor:
+        """[len(rows), vocab] float32: the final norm and LM head on the given rows only (never
+        S x vocab), at most one chunk of rows at a time (the norm's scratch has chunk rows)."""
+        spec = self.spec
+        step = max(1, ws["normed"].shape[0])
+        out = []
+        for g in range(0, len(rows), step):
+            idx = torch.tensor(rows[g : g + step], dtype=torch.long, device=self.device)
+            picked = ws["hidden"].index_select(0, idx)
+            last = torch.empty_like(picked)
+            rms_norm_into(last, picked, self.weights.final_norm, spec.rms_norm_eps, ws["scratch32"][: idx.shape[0], : spec.hidden_size])
+            out.append((last @ self.weights.lm_head.t()).float())
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _qkv_chunk(self, layer, ws, c0, c1, pieces, seqs, ks, vs) -> None:
+        """A. packed rows [c0, c1): norm, fused QKV, (q/k norm), RoPE -> each sequence's Q/K/V."""
         spec, n = self.spec, c1 - c0
         hq, hkv, hd, qw, kw = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.q_width, spec.kv_width
         x = rms_norm_into(ws["normed"][:n], ws["hidden"][c0:c1], layer.input_norm, spec.rms_norm_eps, ws["scratch32"][:n, : spec.hidden_size])
@@ -109,17 +196,25 @@ class HybridPrefillExecutor:
         if layer.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k, in place
             rms_norm_into(q, q, layer.q_norm, spec.rms_norm_eps, ws["scratch32"][:n, :qw].view(n, hq, hd))
             rms_norm_into(k, k, layer.k_norm, spec.rms_norm_eps, ws["scratch32"][:n, :kw].view(n, hkv, hd))
-        rope_into(ws["q"][:, c0:c1], q.transpose(0, 1), cos, sin)
-        rope_into(ws["k"][:, p + c0 : p + c1], k.transpose(0, 1), cos, sin)
-        ws["v"][:, p + c0 : p + c1].copy_(v.transpose(0, 1))
+        row = c0
+        for i, r0, r1, cos, sin in pieces:
+            a, b = row - c0, row - c0 + (r1 - r0)  # the piece's rows within this chunk
+            p = seqs[i].prefix_tokens
+            rope_into(ws["q"][:, row : row + (r1 - r0)], q[a:b].transpose(0, 1), cos, sin)
+            rope_into(ks[i][:, p + r0 : p + r1], k[a:b].transpose(0, 1), cos, sin)
+            vs[i][:, p + r0 : p + r1].copy_(v[a:b].transpose(0, 1))
+            row += r1 - r0
 
-    def _mlp_chunk(self, layer, ws, attn, c0, c1) -> None:
-        """C. tokens [c0, c1): o_proj + residual, norm, SwiGLU MLP + residual."""
+    def _mlp_chunk(self, layer, ws, attn, c0, c1, pieces) -> None:
+        """C. packed rows [c0, c1): o_proj + residual, norm, SwiGLU MLP + residual."""
         spec, n = self.spec, c1 - c0
         h = ws["hidden"][c0:c1]
-        o = ws["o_rows"][:n]
-        o.view(n, spec.num_heads, spec.head_dim).copy_(attn[:, c0:c1].transpose(0, 1))
-        add_linear_(h, o, layer.wo, layer.bo, ws["proj"][:n])
+        o = ws["o_rows"][:n].view(n, spec.num_heads, spec.head_dim)
+        row = 0
+        for i, r0, r1, _, _ in pieces:
+            o[row : row + (r1 - r0)].copy_(attn[i][:, r0:r1].transpose(0, 1))
+            row += r1 - r0
+        add_linear_(h, ws["o_rows"][:n], layer.wo, layer.bo, ws["proj"][:n])
         x = rms_norm_into(ws["normed"][:n], h, layer.post_norm, spec.rms_norm_eps, ws["scratch32"][:n, : spec.hidden_size])
         act = swiglu_into(ws["act"][:n], linear_into(ws["gate_up"][:n], x, layer.w_gate_up, layer.b_gate_up))
         add_linear_(h, act, layer.w_down, layer.b_down, ws["proj"][:n])

@@ -44,43 +44,66 @@ def predict_peak_bytes(spec: ModelSpec, new_tokens: int, chunk_size: int | None,
                        device: torch.device | str = "cpu") -> int:
     """Peak extra bytes of a forward over `new_tokens` after `prefix_tokens` of given K/V: the sum
     of peak_components (same arguments)."""
-    return sum(peak_components(spec, new_tokens, chunk_size, dtype, prefix_tokens, captured_tokens, inplace_attention,
-                               attention_backend, device).values())
+    return predict_batch_peak_bytes(spec, [(new_tokens, prefix_tokens)], chunk_size, dtype, captured_tokens,
+                                    inplace_attention, attention_backend, device)
+
+
+def predict_batch_peak_bytes(spec: ModelSpec, members: list[tuple[int, int]], chunk_size: int | None, dtype: torch.dtype,
+                             captured_tokens: int = 0, inplace_attention: bool = False, attention_backend: str = "sdpa",
+                             device: torch.device | str = "cpu") -> int:
+    """Peak extra bytes of one ForwardBatch of `members` = [(new tokens, prefix tokens)]."""
+    return sum(batch_peak_components(spec, members, chunk_size, dtype, captured_tokens, inplace_attention,
+                                     attention_backend, device).values())
 
 
 def peak_components(spec: ModelSpec, new_tokens: int, chunk_size: int | None, dtype: torch.dtype, prefix_tokens: int = 0,
                     captured_tokens: int = 0, inplace_attention: bool = False, attention_backend: str = "sdpa",
                     device: torch.device | str = "cpu") -> dict[str, int]:
-    """The prediction by part, in bytes:
+    """batch_peak_components of a batch of one."""
+    return batch_peak_components(spec, [(new_tokens, prefix_tokens)], chunk_size, dtype, captured_tokens,
+                                 inplace_attention, attention_backend, device)
 
-    workspace  the request's buffers (exact: the executor allocates this plan);
+
+def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk_size: int | None, dtype: torch.dtype,
+                          captured_tokens: int = 0, inplace_attention: bool = False, attention_backend: str = "sdpa",
+                          device: torch.device | str = "cpu") -> dict[str, int]:
+    """The prediction by part, in bytes, for a forward over B = len(members) sequences packed
+    row after row (executor.ForwardBatch; a single request is a batch of one):
+
+    workspace  the batch's buffers (exact: the executor allocates this plan);
     attention  attention's output and temporaries (for the compiled CPU kernel, which writes over
-               Q: its float32 scratch, as it reports it; for SDPA the measured estimate above);
+               Q: its float32 scratch, as it reports it, one call at a time; for SDPA the measured
+               estimate above, every sequence's output alive until the MLP half of the layer);
     captured   K/V of a captured prefix (multi-item), all layers;  prefix_gather: one layer's
-               cached blocks gathered from the pool;
-    small      ids, RoPE cos/sin tables (float32 on CPU) and one chunk's angle table, logits;
+               cached blocks of one sequence gathered from the pool (sequences load in turn);
+    small      ids, RoPE cos/sin tables (float32 on CPU) and one chunk's angle table, the B last
+               rows and their logits;
     pages      one page per allocation (header and rounding): an allowance, not a buffer;
     unseen     what a forward allocates outside tensors: an allowance (UNSEEN_BYTES).
     """
     e = torch.tensor([], dtype=dtype).element_size()
-    s = new_tokens
+    s = sum(n for n, _ in members)
+    b = len(members)
     device = torch.device(device)
-    plan = plan_workspace(spec, s, chunk_size, dtype, prefix_tokens,
+    plan = plan_workspace(spec, s, chunk_size, dtype, sum(p for _, p in members),
                           fp32_scratch=rms_norm_needs_scratch(device, dtype, spec.qk_norm))
     if cpu_flash_covers(attention_backend, device, dtype, spec.head_dim):
         attention = cpu_flash_scratch_bytes(spec.head_dim, spec.num_heads // spec.num_kv_heads)
     elif inplace_attention:  # one query block's flash outputs and float32 merge at a time
-        attention = _INPLACE_BYTES_PER_QUERY_ELEMENT * min(s, INPLACE_QUERY_BLOCK) * spec.q_width + _INPLACE_FIXED_BYTES
+        longest = max(n for n, _ in members)
+        attention = _INPLACE_BYTES_PER_QUERY_ELEMENT * min(longest, INPLACE_QUERY_BLOCK) * spec.q_width + _INPLACE_FIXED_BYTES
     else:
         attention = _ATTENTION_BYTES_PER_QUERY_ELEMENT * s * spec.q_width + _ATTENTION_FIXED_BYTES
     chunks = -(-s // plan.chunk)
+    pieces = chunks + b - 1  # chunk x sequence intersections, each with its own RoPE tables
+    last_rows = b * (spec.hidden_size * 2 * e + spec.vocab_size * (e + 4)) if b > 1 else spec.vocab_size * (e + 4)
     return dict(
         workspace=plan.nbytes(),
         attention=attention,
         captured=e * 2 * captured_tokens * spec.kv_width * spec.num_layers,
-        prefix_gather=e * 2 * prefix_tokens * spec.kv_width,
-        small=s * (8 + spec.head_dim * 4) + plan.chunk * spec.head_dim * 2 + spec.vocab_size * (e + 4),
-        pages=_PAGE * (len(plan.shapes) + 2 * chunks + 8),  # workspace, RoPE tables, the few others
+        prefix_gather=e * 2 * max(p for _, p in members) * spec.kv_width,
+        small=s * (8 + spec.head_dim * 4) + plan.chunk * spec.head_dim * 2 + last_rows,
+        pages=_PAGE * (len(plan.shapes) + 2 * pieces + 8 + (2 * b if b > 1 else 0)),  # workspace, RoPE tables, the few others
         unseen=UNSEEN_BYTES,
     )
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from .errors import InvalidRequestError
 from .limits import RequestLimits
+from .request import ITEM_PLACEHOLDER, check_item_template
 
 
 class PromptEncoder:
@@ -71,6 +72,34 @@ class PromptEncoder:
                 raise InvalidRequestError(f"allowed tokens {seen[i]!r} and {item!r} are the same token (id {i}); list each once")
             seen[i] = item
         return ids
+
+    def encode_items(self, items, template: str | None) -> list[list[int]]:
+        """Token ids of a multi-item request's items (text, bytes or ids; no special tokens).
+        `template` (e.g. "\\nPost: {item}\\nAnswer:") wraps each text item first: only its
+        literal {item} is replaced."""
+        if items is None or isinstance(items, (str, bytes)) or not hasattr(items, "__len__"):
+            raise InvalidRequestError("items must be a list of item texts or token-id lists")
+        if len(items) == 0:
+            raise InvalidRequestError("items is empty; give at least one item")
+        if self.limits is not None:
+            self.limits.check_count(len(items), "items", "max_items")
+        if template is not None:
+            check_item_template(template)
+            self._check_text(template, "item_template")
+        out = []
+        for i, item in enumerate(items):
+            if isinstance(item, (bytes, bytearray)):
+                self._check_text(item, f"item {i}")  # before decoding it
+                item = decode_utf8(bytes(item), f"item {i}")
+            if template is not None and isinstance(item, str):
+                self._check_text(item, f"item {i}")  # before the template copies it
+                item = template.replace(ITEM_PLACEHOLDER, item)
+            out.append(self.encode_prompt(item, what=f"item {i}", add_special_tokens=False))
+        return out
+
+    def _check_text(self, text, what: str) -> None:
+        if self.limits is not None:
+            self.limits.check_text(text, what)
 
     def token_text(self, token_id: int) -> str:
         if self.tokenizer is None:

@@ -140,15 +140,18 @@ def engine(family_folders):
 
 
 def hold_worker(engine):
-    """Occupy the worker with a job that waits for the returned event."""
+    """Occupy the worker: its next step (a 3-token request) waits for the returned event."""
     release, started = threading.Event(), threading.Event()
+    real_run = engine.runner.run
 
-    def job():
+    def held_run(step):
+        engine.runner.run = real_run  # only this step is held
         started.set()
         release.wait(10)
-        return "held"
+        return real_run(step)
 
-    fut = engine._enqueue([1, 2, 3], None, job, 0, None, None)
+    engine.runner.run = held_run
+    fut = engine.submit([1, 2, 3], [5])
     assert started.wait(10)
     return release, fut
 
@@ -187,7 +190,7 @@ def test_cancel_waiting_request(engine):
     assert fut.cancel()
     assert len(engine.scheduler) == 0 and engine.stats()["cancelled"] == 1
     release.set()
-    assert held.result(10) == "held"
+    assert held.result(10).prompt_tokens == 3
     with pytest.raises(CancelledError):
         fut.result()
     assert engine.score(ids(2), [5]).prompt_tokens == 40
@@ -221,7 +224,7 @@ def test_close_answers_every_pending_request(family_folders):
     futs = [e.submit(ids(i), [5]) for i in range(5)]
     threading.Timer(0.2, release.set).start()
     e.close()
-    assert held.result(10) == "held"  # the running request finished
+    assert held.result(10).prompt_tokens == 3  # the running request finished
     for f in futs:
         with pytest.raises(EngineClosedError):
             f.result(1)

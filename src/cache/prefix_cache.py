@@ -1,7 +1,7 @@
 """PrefixCache: keep the K/V of prompt prefixes worth keeping, never the rest (DESIGN.md §2).
 
 Per request:
-    ticket = cache.begin(ids, namespace, keep_len)   # match + pin cached blocks, reserve new ones
+    ticket = cache.begin(cache.hashes(ids, namespace), len(ids), keep_len)   # match + pin, reserve new ones
     executor.forward(ids[ticket.cached_tokens:], prefix=ticket.source, sink=ticket.sink)
     cache.commit(ticket)  (or cache.abort(ticket) if the forward failed)
 
@@ -86,19 +86,30 @@ class PrefixCache:
         """Leading tokens cached right now, for a prompt's block keys (no pinning)."""
         return self.index.match_length(hashes) * self.block_size
 
-    def begin(self, ids, namespace: str | None, keep_len: int) -> CacheTicket:
-        """Match and pin the cached prefix, reserve slots for the new blocks to keep."""
+    def begin(self, hashes: list[bytes], prompt_len: int, keep_len: int) -> CacheTicket:
+        """Match and pin the cached prefix of a prompt of `prompt_len` tokens whose block keys
+        are `hashes` (from hashes(), computed once at submit), reserve slots for the new blocks
+        to keep (those inside the first keep_len tokens)."""
+        return self.begin_many([(hashes, prompt_len, keep_len)])[0]
+
+    def begin_many(self, prompts: list[tuple[list[bytes], int, int]]) -> list[CacheTicket]:
+        """begin() for the prompts of one forward step, [(hashes, prompt_len, keep_len)]: every
+        prompt's matched blocks are pinned before any block is restored or reserved, so that
+        one member's evictions never take a block another member was promised."""
+        matched = [self.index.match(hashes) for hashes, _, _ in prompts]
+        for m in matched:
+            self.index.pin(m)
+        for i, m in enumerate(matched):
+            if not self._restore_to_tier1(m):  # tier 1 too small to hold the matched chain: use what is in tier 1
+                first_off = next((j for j, blk in enumerate(m) if blk.tier != 1), len(m))
+                self.index.unpin(m[first_off:])
+                matched[i] = m[:first_off]
+        return [self._reserve(hashes, prompt_len, keep_len, m) for (hashes, prompt_len, keep_len), m in zip(prompts, matched)]
+
+    def _reserve(self, hashes: list[bytes], prompt_len: int, keep_len: int, matched: list[Block]) -> CacheTicket:
         b = self.block_size
         stats = self.index.stats
-        hashes = self.hashes(ids, namespace)
-        matched = self.index.match(hashes)
-        self.index.pin(matched)
-        restored = self._restore_to_tier1(matched)
-        if not restored:  # tier 1 too small to hold the matched chain: use what is in tier 1
-            first_off = next((i for i, blk in enumerate(matched) if blk.tier != 1), len(matched))
-            self.index.unpin(matched[first_off:])
-            matched = matched[:first_off]
-        cached = min(len(matched) * b, len(ids) - 1)
+        cached = min(len(matched) * b, prompt_len - 1)
         new: list[Block] = []
         if cached == len(matched) * b:  # else everything is cached already
             parent = matched[-1].hash if matched else None
@@ -106,7 +117,7 @@ class PrefixCache:
             self._execute(moves)  # the evictions' copies, before any new block is written
         stats.lookups += 1
         stats.hit_tokens += cached
-        stats.miss_tokens += len(ids) - cached
+        stats.miss_tokens += prompt_len - cached
         ticket = CacheTicket(cached_tokens=cached, matched=matched, new=new)
         if cached:
             ticket.source = _PoolSource(self.pools[1], self._slots(matched), cached)

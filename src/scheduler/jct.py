@@ -9,6 +9,15 @@ error over a window of recent requests (so short and long requests are predicted
 well: the scheduler compares them), all coefficients kept >= 0; until a fit exists, `fallback_s_per_token * u`
 (the paper's proxy: uncached tokens). The error of every prediction against the measured time
 is tracked (mean absolute relative error) for the metrics.
+
+A forward step that computes several requests at once is one sample of the step cost model
+
+    step(members) = a + sum over members of (b * u_i + k * u_i * (u_i + 2 c_i))
+
+(one fixed cost per step: the weight reads and per-layer work the batch shares; the linear and
+attention terms per member, since attention is computed per sequence). A single request is a
+step of one, so both fit the same three coefficients, and a request's own estimate
+predict(u, c) is its term of the model plus a: what CSJF compares, like with like.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ class JctCoefficients:
 class JctEstimator:
     def __init__(self, fallback_s_per_token: float = 1e-3, window: int = 256):
         self.fallback_s_per_token = fallback_s_per_token
-        self._samples: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self._samples: deque[tuple[float, float, float]] = deque(maxlen=window)  # (sum u, sum u(u+2c), seconds)
         self._coef: JctCoefficients | None = None
         self._abs_rel_err_sum = 0.0
         self._errors = 0
@@ -54,14 +63,26 @@ class JctEstimator:
             return self.fallback_s_per_token * max(uncached, 1)
         return c.fixed_s + c.per_token_s * uncached + c.attention_s * uncached * (uncached + 2 * cached)
 
+    def predict_step(self, members: list[tuple[int, int]]) -> float:
+        """A step computing every (uncached, cached) member at once."""
+        c = self._coef
+        linear, attention = _step_features(members)
+        if c is None:
+            return self.fallback_s_per_token * max(linear, 1)
+        return c.fixed_s + c.per_token_s * linear + c.attention_s * attention
+
     def observe(self, uncached: int, cached: int, seconds: float) -> None:
-        """Record a completed request's measured time and refit."""
+        """Record a completed request's measured time (a step of one) and refit."""
+        self.observe_step([(uncached, cached)], seconds)
+
+    def observe_step(self, members: list[tuple[int, int]], seconds: float) -> None:
+        """Record a completed step's measured time and refit."""
         with self._lock:
-            predicted = self.predict(uncached, cached)
+            predicted = self.predict_step(members)
             if seconds > 0:
                 self._abs_rel_err_sum += abs(predicted - seconds) / seconds
                 self._errors += 1
-            self._samples.append((uncached, cached, seconds))
+            self._samples.append((*_step_features(members), seconds))
             if len(self._samples) >= _MIN_SAMPLES:
                 self._coef = self._fit()
 
@@ -69,16 +90,21 @@ class JctEstimator:
         return self._abs_rel_err_sum / self._errors if self._errors else None
 
     def _fit(self) -> JctCoefficients | None:
-        u, c, t = (np.array(x, dtype=np.float64) for x in zip(*self._samples))
+        linear, attention, t = (np.array(x, dtype=np.float64) for x in zip(*self._samples))
         keep = t > 0
-        u, c, t = u[keep], c[keep], t[keep]
-        features = np.stack([np.ones_like(u), u, u * (u + 2 * c)], axis=1) / t[:, None]  # relative error
+        linear, attention, t = linear[keep], attention[keep], t[keep]
+        features = np.stack([np.ones_like(linear), linear, attention], axis=1) / t[:, None]  # relative error
         scale = features.max(axis=0)
         scale[scale == 0] = 1.0
         coef = _nonnegative_least_squares(features / scale, np.ones_like(t)) / scale
         if coef[1] <= 0 and coef[2] <= 0:
             return self._coef  # degenerate window (e.g. all the same size): keep the last fit
         return JctCoefficients(*map(float, coef))
+
+
+def _step_features(members: list[tuple[int, int]]) -> tuple[float, float]:
+    """(sum of u, sum of u * (u + 2c)) over a step's (uncached, cached) members."""
+    return (float(sum(u for u, _ in members)), float(sum(u * (u + 2 * c) for u, c in members)))
 
 
 def _nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:
