@@ -165,6 +165,10 @@ def test_metrics_endpoint_exports_engine_metrics_that_move(server):
         assert moved(f'prefillonly_request_latency_seconds_count{{phase="{phase}"}}', 3), phase
         assert after[f'prefillonly_request_latency_seconds_sum{{phase="{phase}"}}'] > 0, phase
     assert any(k.startswith("prefillonly_request_latency_seconds_bucket") for k in after)
+    # forward steps: tokens and requests per step, one observation per step run
+    assert moved("prefillonly_step_requests_count", 3) and moved("prefillonly_step_tokens_count", 3)
+    assert after["prefillonly_step_requests_sum"] >= before.get("prefillonly_step_requests_sum", 0) + 3
+    assert after["prefillonly_step_tokens_sum"] > before.get("prefillonly_step_tokens_sum", 0)
     success = [k for k in after if k.startswith("nv_inference_request_success") and 'model="prefillonly"' in k]
     assert success and after[success[0]] >= 3  # Triton's own metrics stay right
 

@@ -52,6 +52,11 @@ _LATENCY = "prefillonly_request_latency_seconds"
 # queue: received -> the engine starts it; total: received -> answered (requests the engine took)
 _LATENCY_PHASES = ("queue", "total")
 _LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+# forward steps: uncached tokens computed and requests per step (how much batching happens)
+_STEP_HISTOGRAMS = {
+    "prefillonly_step_tokens": ("Prompt tokens computed per forward step", [2 ** i for i in range(4, 16)]),
+    "prefillonly_step_requests": ("Requests per forward step", [1, 2, 4, 8, 16, 32, 64, 128, 256]),
+}
 
 
 class EngineMetrics:
@@ -66,6 +71,10 @@ class EngineMetrics:
                 self._metrics[(name, labels)] = (family.Metric(labels=dict(labels)), kind, value_of)
         latency = self._family(pb_utils, _LATENCY, "HISTOGRAM", "Request latency: queue wait and total")
         self._latency = {p: latency.Metric(labels={"phase": p}, buckets=_LATENCY_BUCKETS) for p in _LATENCY_PHASES}
+        self._steps = {}
+        for name, (description, buckets) in _STEP_HISTOGRAMS.items():
+            self._steps[name] = self._family(pb_utils, name, "HISTOGRAM", description).Metric(labels={}, buckets=buckets)
+        self._steps_seen = baseline.get("steps", 0)
         self._last = {key: float(value_of(baseline)) for key, (_, kind, value_of) in self._metrics.items()
                       if kind == "COUNTER"}
         self._rate_at = (time.monotonic(), baseline["tokens_computed"])
@@ -100,8 +109,20 @@ class EngineMetrics:
                 elif value != self._last.get(key):
                     metric.set(value)
                 self._last[key] = value
+            self._observe_steps(stats)
             now, computed = time.monotonic(), stats["tokens_computed"]
             then, before = self._rate_at
             if now - then >= 1.0:
                 self._metrics[("prefillonly_tokens_per_second", ())][0].set((computed - before) / (now - then))
                 self._rate_at = (now, computed)
+
+    def _observe_steps(self, stats: dict) -> None:
+        """The steps run since the last update (stats keeps the most recent ones; a burst
+        longer than that between two updates loses the oldest from the histograms only)."""
+        new = stats.get("steps", 0) - self._steps_seen
+        if new <= 0:
+            return
+        for tokens, requests in stats.get("recent_steps", [])[-new:]:
+            self._steps["prefillonly_step_tokens"].observe(tokens)
+            self._steps["prefillonly_step_requests"].observe(requests)
+        self._steps_seen = stats["steps"]

@@ -1,0 +1,368 @@
+"""Batched prefill: a ForwardBatch equals its members' single forwards, steps stay inside their
+budgets, CSJF picks the members it should, no block is computed twice in one step, and every
+request is answered exactly once."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import CancelledError
+
+import pytest
+import torch
+
+from prefillonly import DeadlineExceededError, Engine, EngineConfig
+from prefillonly.cache.prefix_kv import PrefixKV
+from prefillonly.executor import ForwardBatch, HybridPrefillExecutor, Sequence
+from prefillonly.model_spec import ModelSpec
+from prefillonly.scheduler import JctEstimator, Scheduler, WaitingRequest
+from prefillonly.weights import ModelWeights
+
+from .conftest import FAMILY_CONFIGS
+from .reference import hf_logprobs, load_hf, max_abs
+
+CPU = torch.device("cpu")
+FP32_TOL = 1e-4
+
+
+def _executor(folder, backend="sdpa"):
+    spec = ModelSpec.from_folder(folder)
+    return HybridPrefillExecutor(spec, ModelWeights.load(folder, spec, torch.float32, CPU), torch.float32, CPU, backend)
+
+
+def _ids(gen, vocab, n):
+    return torch.randint(0, vocab, (n,), generator=gen)
+
+
+def _members(gen, vocab, executor, lengths, prefixes):
+    """Sequences of the given new lengths, each after a captured prefix of the given length (0: none)."""
+    seqs = []
+    for n, p in zip(lengths, prefixes):
+        prefix = None
+        if p:
+            prefix = executor.forward(_ids(gen, vocab, p), None, capture=(0, p)).captured
+        seqs.append(Sequence(_ids(gen, vocab, n), prefix=prefix))
+    return seqs
+
+
+def _batch_vs_singles(executor, seqs, chunk):
+    batched = executor.forward_batch(ForwardBatch(seqs), chunk).logits
+    worst = 0.0
+    for i, s in enumerate(seqs):
+        single = executor.forward(s.token_ids, chunk, prefix=s.prefix).logits
+        worst = max(worst, max_abs(batched[i].log_softmax(-1), single.log_softmax(-1)))
+    return worst
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_CONFIGS))
+def test_batch_equals_single_forwards_every_family(family_folders, name):
+    executor = _executor(family_folders[name])
+    gen = torch.Generator().manual_seed(hash(name) % 1000)
+    vocab = executor.spec.vocab_size
+    # mixed lengths 1 ... 700 (odd ones), with and without prefixes, some prefixes block-aligned
+    lengths = [1, 700, 7, 65, 130, 3]
+    prefixes = [0, 0, 64, 33, 128, 257]
+    seqs = _members(gen, vocab, executor, lengths, prefixes)
+    for chunk in (None, 64, 7):  # chunks that span several sequences and split others
+        assert _batch_vs_singles(executor, seqs, chunk) <= FP32_TOL, chunk
+
+
+def test_batch_equals_transformers(family_folders):
+    """The batched logits against transformers' forward of each whole prompt (prefix + new)."""
+    folder = family_folders["qwen3_qknorm_untied"]
+    executor, model = _executor(folder), load_hf(folder, torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [_ids(gen, executor.spec.vocab_size, n).tolist() for n in (5, 90, 1, 200)]
+    cut = [0, 40, 0, 150]  # leading tokens given as a cached prefix
+    seqs = []
+    for ids, p in zip(prompts, cut):
+        prefix = executor.forward(torch.tensor(ids[:p]), None, capture=(0, p)).captured if p else None
+        seqs.append(Sequence(torch.tensor(ids[p:]), prefix=prefix))
+    out = executor.forward_batch(ForwardBatch(seqs), 32).logits
+    for i, ids in enumerate(prompts):
+        assert max_abs(out[i].double().log_softmax(-1), hf_logprobs(model.double(), ids)) <= FP32_TOL
+
+
+@pytest.mark.parametrize("backend", ["cpu_flash", "sdpa"])
+def test_batch_equals_single_forwards_default_model(default_model_path, backend):
+    from prefillonly.kernels import cpu_ext
+
+    if backend == "cpu_flash" and cpu_ext.load_attention() is None:
+        pytest.fail(f"the compiled attention kernel must build on every CI host: {cpu_ext.why_attention_unavailable()}")
+    executor = _executor(default_model_path, backend)
+    gen = torch.Generator().manual_seed(11)
+    seqs = _members(gen, executor.spec.vocab_size, executor, [1, 2048, 170, 9], [0, 0, 1024, 333])
+    assert _batch_vs_singles(executor, seqs, 512) <= FP32_TOL
+
+
+def test_batch_captures_each_members_range(family_folders):
+    executor = _executor(family_folders["llama_gqa_llama3rope_untied"])
+    gen = torch.Generator().manual_seed(5)
+    a, b = _ids(gen, 300, 20), _ids(gen, 300, 35)
+    prefix = executor.forward(_ids(gen, 300, 10), None, capture=(0, 10)).captured
+    out = executor.forward_batch(ForwardBatch([Sequence(a, capture=(0, 20)), Sequence(b, prefix=prefix, capture=(5, 45))]), 16)
+    single_a = executor.forward(a, 16, capture=(0, 20)).captured
+    single_b = executor.forward(b, 16, prefix=prefix, capture=(5, 45)).captured
+    for got, want in ((out.captured[0], single_a), (out.captured[1], single_b)):
+        assert isinstance(got, PrefixKV) and got.length == want.length
+        for layer in range(len(want.keys)):
+            assert max_abs(got.keys[layer], want.keys[layer]) <= 1e-5
+            assert max_abs(got.values[layer], want.values[layer]) <= 1e-5
+
+
+def test_forward_batch_refuses_empty_members(family_folders):
+    with pytest.raises(ValueError):
+        ForwardBatch([])
+    with pytest.raises(ValueError):
+        ForwardBatch([Sequence(torch.tensor([1, 2])), Sequence(torch.tensor([], dtype=torch.long))])
+
+
+# -- the scheduler's batch ----------------------------------------------------------------------
+class FakeCache:
+    """Cached leading blocks per chain of block keys: a dict of ready hashes."""
+
+    def __init__(self, block):
+        self.block, self.ready = block, set()
+
+    def cached_tokens(self, req):
+        n = 0
+        for h in req.block_hashes:
+            if h not in self.ready:
+                break
+            n += 1
+        return n * self.block
+
+
+def _scheduler(cache, policy="csjf"):
+    est = JctEstimator()
+    for u, c in [(100, 0), (1000, 0), (200, 2000), (50, 500), (3000, 0)]:
+        est.observe(u, c, 0.002 + 1e-4 * u + 1e-8 * u * (u + 2 * c))
+    return Scheduler(policy, est, cache.cached_tokens, block_size=cache.block)
+
+
+def _req(tokens, hashes=(), keep=None, priority=0, alone=False):
+    hashes = list(hashes)
+    return WaitingRequest(prompt_tokens=tokens, block_hashes=hashes, kept_blocks=len(hashes) if keep is None else keep,
+                          priority=priority, runs_alone=alone)
+
+
+def test_pick_batch_respects_the_token_budget_and_the_memory_check():
+    rng = random.Random(7)
+    for trial in range(200):
+        cache = FakeCache(16)
+        sched = _scheduler(cache)
+        for i in range(rng.randint(1, 30)):
+            sched.add(_req(rng.randint(1, 3000), [f"{trial}-{i}-{b}".encode() for b in range(rng.randint(0, 5))]))
+        budget = rng.choice([1, 100, 512, 2048, 8192])
+        limit = rng.choice([None, 2000, 6000])
+        seen = []
+
+        def fits(members, limit=limit):
+            seen.append(list(members))
+            return limit is None or sum(u for u, _ in members) * 1.5 <= limit
+
+        while len(sched):
+            batch = sched.pick_batch(budget, fits)
+            assert batch
+            shape = [sched.split(r) for r in batch]
+            if len(batch) > 1:  # a single request may be over either budget: it runs alone
+                assert sum(u for u, _ in shape) <= budget
+                assert fits(shape)
+
+
+def test_pick_batch_follows_csjf_order_within_a_priority_class():
+    cache = FakeCache(16)
+    sched = _scheduler(cache)
+    long_cold = _req(3000)
+    short = [_req(n) for n in (200, 150, 400)]
+    vip = _req(900, priority=5)
+    alone = _req(50, alone=True)
+    for r in [long_cold, *short, vip, alone]:
+        sched.add(r)
+    assert sched.pick_batch(4096) == [vip]  # priorities first, never mixed with another class
+    batch = sched.pick_batch(4096)
+    # shortest first; the multi-item request never shares a step; the long one does not fit
+    assert batch == [alone]
+    assert sched.pick_batch(1000) == [short[1], short[0], short[2]]
+    assert sched.pick_batch(1000) == [long_cold]  # over the budget: alone
+
+
+def test_requests_needing_the_same_uncached_blocks_are_not_batched():
+    cache = FakeCache(16)
+    sched = _scheduler(cache)
+    profile = [b"u1-0", b"u1-1", b"u1-2"]
+    first = _req(60, profile)
+    same_profile = _req(70, profile + [b"u1-x"])
+    keeps_nothing = _req(55, [b"u2-0", b"u2-1"], keep=0)
+    same_as_keeps_nothing = _req(56, [b"u2-0", b"u2-1", b"u2-2"])
+    other = _req(80, [b"u3-0"])
+    for r in (first, same_profile, keeps_nothing, same_as_keeps_nothing, other):
+        sched.add(r)
+    batch = sched.pick_batch(4096)
+    assert first in batch and other in batch and keeps_nothing in batch
+    assert same_profile not in batch  # it waits for `first` to cache the profile
+    # `keeps_nothing` caches nothing, so sharing its blocks saves nothing by waiting
+    assert same_as_keeps_nothing in batch
+    cache.ready.update(profile)  # the step committed the profile
+    assert sched.pick_batch(4096) == [same_profile]
+    assert sched.split(same_profile) == (70 - 48, 48)
+
+
+def test_fully_cached_identical_prompts_share_a_step():
+    cache = FakeCache(16)
+    sched = _scheduler(cache)
+    keys = [b"p0", b"p1"]
+    cache.ready.update(keys)
+    reqs = [_req(32, keys) for _ in range(5)]  # e.g. perf_analyzer repeating one prompt
+    for r in reqs:
+        sched.add(r)
+    assert sched.pick_batch(4096) == reqs
+
+
+def test_step_cost_model_recovers_its_coefficients():
+    a, b, k = 0.02, 2e-4, 3e-8
+    est = JctEstimator()
+    rng = random.Random(3)
+    for _ in range(100):
+        members = [(rng.randint(1, 2000), rng.choice([0, 512, 2048])) for _ in range(rng.randint(1, 8))]
+        est.observe_step(members, a + sum(b * u + k * u * (u + 2 * c) for u, c in members))
+    c = est.coefficients
+    assert c.fixed_s == pytest.approx(a, rel=1e-3)
+    assert c.per_token_s == pytest.approx(b, rel=1e-3)
+    assert c.attention_s == pytest.approx(k, rel=1e-3)
+    assert est.predict(100, 1000) == pytest.approx(a + b * 100 + k * 100 * 2100)  # a request's own term, plus a
+
+
+# -- the engine's steps -------------------------------------------------------------------------
+def _engine(folder, **kw):
+    kw.setdefault("cache_budget_bytes", 8 << 20)
+    return Engine(EngineConfig(model=folder, dtype="float32", threads=2, cache_block_size=16, **kw))
+
+
+class StepRecorder:
+    """Wraps the runner: holds the first step until released and records every step's members."""
+
+    def __init__(self, engine):
+        self.engine, self.runner = engine, engine.runner
+        self.release, self.started = threading.Event(), threading.Event()
+        self.steps = []  # per step: [(uncached, cached, first computed block, keeps it)]
+        self._run = engine.runner.run
+        engine.runner.run = self.run
+
+    def run(self, step):
+        members = []
+        for req, ticket, live in zip(step.requests, step.tickets, step.live):
+            if live:
+                c = ticket.cached_tokens if ticket else 0
+                members.append((len(req.token_ids) - c, c, ticket.new[0].hash if ticket and ticket.new else None))
+        self.steps.append(members)
+        if len(self.steps) == 1:
+            self.started.set()
+            self.release.wait(30)
+        return self._run(step)
+
+
+def test_engine_batches_and_matches_unbatched_results(family_folders):
+    folder = family_folders["mistral_gqa_linear_rope"]
+    rng = random.Random(9)
+    profiles = [[rng.randrange(300) for _ in range(rng.choice([64, 100, 37]))] for _ in range(4)]
+    prompts = [(u, profiles[u] + [rng.randrange(300) for _ in range(rng.randint(1, 40))]) for u in range(4) for _ in range(3)]
+    prompts += [(None, [rng.randrange(300) for _ in range(n)]) for n in (1, 2, 513)]
+    reference = {}
+    with _engine(folder, max_batch_tokens=1) as plain:  # one request per step
+        for i, (user, ids) in enumerate(prompts):
+            reference[i] = plain.score(ids, [5, 17, 200], cache_prefix_len=len(profiles[user]) if user is not None else 0)
+        items_ref = plain.score_items(profiles[0], [[1, 2, 3], [7] * 20, [9]], [5, 17])
+        assert plain.stats()["recent_steps"] and all(n == 1 for _, n in plain.stats()["recent_steps"])
+    with _engine(folder, max_batch_tokens=600) as engine:
+        rec = StepRecorder(engine)
+        first = engine.submit([1, 2, 3], [5])
+        assert rec.started.wait(30)
+        futures = {i: engine.submit(ids, [5, 17, 200], cache_prefix_len=len(profiles[user]) if user is not None else 0)
+                   for i, (user, ids) in enumerate(prompts)}
+        items = engine.submit_items(profiles[0], [[1, 2, 3], [7] * 20, [9]], [5, 17])
+        rec.release.set()
+        results = {i: f.result(60) for i, f in futures.items()}
+        assert first.result(30).prompt_tokens == 3
+        got_items = items.result(60)
+        steps = engine.stats()["recent_steps"]
+    assert max(n for _, n in steps) > 1, steps  # some step really batched
+    for i, r in results.items():
+        want = reference[i]
+        assert [t.logprob for t in r.tokens] == pytest.approx([t.logprob for t in want.tokens], abs=FP32_TOL)
+    for got, want in zip(got_items, items_ref):
+        assert [t.logprob for t in got.tokens] == pytest.approx([t.logprob for t in want.tokens], abs=FP32_TOL)
+    for members in rec.steps:
+        if len(members) > 1:
+            assert sum(u for u, _, _ in members) <= 600
+            assert engine.runner.fits([(u, c) for u, c, _ in members])
+        computed = [h for _, _, h in members if h is not None]
+        assert len(computed) == len(set(computed)), "a block computed twice in one step"
+    # every user's later requests found the profile its first one cached
+    for user in range(4):
+        cached = sorted(results[i].cached_tokens for i, (u, _) in enumerate(prompts) if u == user)
+        assert cached[1:] == [len(profiles[user]) // 16 * 16] * 2, (user, cached)
+
+
+def test_a_profile_cached_by_one_step_moves_its_next_request_forward(family_folders):
+    """CSJF re-estimates against the cache at every step: a request whose profile the previous
+    step just cached becomes the shortest job and runs next, ahead of cold requests that
+    arrived before it (FCFS would run it last)."""
+    folder = family_folders["llama_mha_tied"]
+    rng = random.Random(2)
+    profile = [rng.randrange(300) for _ in range(480)]
+    with _engine(folder, max_batch_tokens=502) as engine:
+        rec = StepRecorder(engine)
+        held = engine.submit([4, 5, 6], [5])
+        assert rec.started.wait(30)
+        owner = engine.submit(profile + [9], [5])  # 481 tokens: the shortest job, computes the profile
+        cold = [engine.submit([rng.randrange(300) for _ in range(500)], [5]) for _ in range(2)]
+        warm_soon = engine.submit(profile + [1, 2, 3], [5])  # needs the owner's blocks: waits one step
+        rec.release.set()
+        for f in (held, owner, warm_soon, *cold):
+            f.result(60)
+    sizes = [[(u, c) for u, c, _ in m] for m in rec.steps]
+    assert sizes[1] == [(481, 0)], sizes  # the owner alone: the warm one must wait, a cold one does not fit
+    assert sizes[2] == [(3, 480)], sizes  # next: the warm request, with the profile from the cache
+    assert sizes[3:] == [[(500, 0)], [(500, 0)]], sizes
+    assert warm_soon.result().cached_tokens == 480
+
+
+def test_every_request_answered_once_under_concurrent_submits_cancels_and_deadlines(family_folders):
+    folder = family_folders["qwen2_bias_tied"]
+    outcomes, lock = [], threading.Lock()
+    with _engine(folder, max_batch_tokens=256, max_waiting=512) as engine:
+        def client(seed):
+            rng = random.Random(seed)
+            futures = []
+            for _ in range(25):
+                ids = [rng.randrange(300) for _ in range(rng.randint(1, 120))]
+                deadline = rng.choice([None, None, 0.001, 5.0])
+                f = engine.submit(ids, [5, 9], deadline_s=deadline, user=f"u{rng.randrange(3)}")
+                if rng.random() < 0.2:
+                    f.cancel()
+                futures.append(f)
+            for f in futures:
+                try:
+                    f.result(60)
+                    kind = "ok"
+                except CancelledError:
+                    kind = "cancelled"
+                except DeadlineExceededError:
+                    kind = "deadline"
+                with lock:
+                    outcomes.append(kind)
+
+        threads = [threading.Thread(target=client, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads)
+        time.sleep(0.1)
+        stats = engine.stats()
+    assert len(outcomes) == 100
+    assert stats["waiting"] == 0
+    assert stats.get("completed", 0) == outcomes.count("ok")
+    assert stats.get("rejected:deadline_exceeded", 0) == outcomes.count("deadline")
