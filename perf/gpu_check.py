@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from prefillonly.executor import HybridPrefillExecutor
+from prefillonly.executor import ForwardBatch, HybridPrefillExecutor, Sequence
 from prefillonly.memory import PeakMemoryMeter, predict_peak_bytes
 from prefillonly.model_spec import ModelSpec
 from prefillonly.weights import ModelWeights
@@ -63,6 +63,7 @@ class Plan:
     perf_lengths: tuple[int, ...] = (8192, 32768, 100_000)
     perf_chunks: tuple[int, ...] = (2048, 4096)
     warm_shapes: tuple[tuple[int, int], ...] = ((14_000, 150), (16_384, 2048))  # (cached P, new S)
+    warm_batch: int = 16  # warm requests of the first warm shape in one batched step (ForwardBatch)
     matmul_n: int = 8192
     memory_lengths: tuple[int, ...] = (8192, 32768, 100_000)
     memory_chunk: int = 2048
@@ -86,6 +87,7 @@ def smoke_plan(budget_s: float) -> Plan:
         perf_shape=shape,
         perf_lengths=(256, 512),
         warm_shapes=((256, 64),),
+        warm_batch=4,
         perf_chunks=(128, 256),
         matmul_n=512,
         memory_lengths=(256, 512),
@@ -133,7 +135,8 @@ SECTIONS = {
     ),
     "warm": (
         "Cached-prefix speed, Llama-3.1-8B shape: S new tokens after P cached (what a warm post-rec request does)",
-        "time of executor.forward(new S, prefix P) vs a cold forward of P+S; model FLOPs per DESIGN.md §10 with the prefix.",
+        "time of executor.forward(new S, prefix P) vs a cold forward of P+S; model FLOPs per DESIGN.md §10 with the prefix. "
+        "Rows with batch B: B such requests in one executor.forward_batch step (each its own prefix), vs B forwards one by one.",
     ),
     "performance": (
         "Prefill speed, Llama-3.1-8B shape (random bf16 weights)",
@@ -431,9 +434,17 @@ def measure_warm_requests(report: Report, plan: Plan, matmul_rate: float | None)
         cold = time_call(lambda: executor.forward(ids, plan.perf_chunks[0]), dev, 2)
         flops = model_flops(spec, s, p)
         t = statistics.median(warm)
-        report.add("warm", {"P": p, "S": s, "warm_ms": 1e3 * t, "cold_ms": 1e3 * statistics.median(cold),
+        report.add("warm", {"P": p, "S": s, "batch": 1, "warm_ms": 1e3 * t, "cold_ms": 1e3 * statistics.median(cold),
                             "speedup": statistics.median(cold) / t, "TFLOP/s": flops / t / 1e12,
                             "MFU_datasheet": flops / t / H200_DATASHEET_BF16_FLOPS})
+        if (p, s) == plan.warm_shapes[0] and plan.warm_batch > 1 and seconds_left(plan) >= 60:
+            b = plan.warm_batch
+            batch = ForwardBatch([Sequence(torch.randint(0, spec.vocab_size, (s,)), prefix=prefix) for _ in range(b)])
+            step = statistics.median(time_call(lambda: executor.forward_batch(batch, plan.perf_chunks[0]), dev, 3))
+            report.add("warm", {"P": p, "S": s, "batch": b, "warm_ms": 1e3 * step, "one_by_one_ms": 1e3 * b * t,
+                                "speedup": b * t / step, "TFLOP/s": b * flops / step / 1e12,
+                                "MFU_datasheet": b * flops / step / H200_DATASHEET_BF16_FLOPS})
+            del batch
         del prefix
         free_device_memory()
     del executor, weights

@@ -262,10 +262,9 @@ class Engine:
         outcomes = self.runner.run(step)
         ran = [(w, o) for w, o, live in zip(members, outcomes, step.live) if live]
         if ran:
-            computed = sum(r.total_tokens - _cached_of(o) for r, o in ((w.payload.request, o) for w, o in ran))
             with self._cv:
                 self._steps += 1
-                self._recent_steps.append((computed, len(ran)))
+                self._recent_steps.append((step.computed_tokens, len(ran)))
         # Counters move before the Futures resolve: their callbacks answer the caller, who may
         # read stats() (or the metrics endpoint) the moment the answer arrives.
         for w, outcome in ran:
@@ -318,15 +317,6 @@ class RequestFuture(Future):
 class _Pending:
     future: Future
     request: ScoreRequest
-
-
-def _cached_of(outcome) -> int:
-    """Prompt tokens a finished request took from the cache (0 for a failure)."""
-    if isinstance(outcome, ScoreResult):
-        return outcome.cached_tokens
-    if isinstance(outcome, list) and outcome:
-        return outcome[0].cached_tokens
-    return 0
 
 
 def _request_limits(config: EngineConfig, max_input_len: int, tokenizer) -> RequestLimits:

@@ -1,12 +1,13 @@
 """Measures one forward's peak memory growth in a fresh process (DESIGN.md §10).
 
     python -m prefillonly.memory_probe --tokens 8192 --chunk-size 512 [--model DIR | --random-config JSON]
-        [--dtype bfloat16] [--system prefillonly|transformers]
+        [--dtype bfloat16] [--system prefillonly|transformers] [--members N]
 
 Prints one JSON line: measured growth (VmHWM after - VmRSS before, high-water mark reset
 first), the engine's prediction, and the bytes per token. One length per process, so that
-nothing a previous run left in the allocator hides or inflates the peak. Used by the memory
-tests and by perf/ benchmarks.
+nothing a previous run left in the allocator hides or inflates the peak. `--members N` runs the
+tokens as one batched step of N sequences of (nearly) equal length. Used by the memory tests and
+by perf/ benchmarks.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from .config import DTYPES
 from .kernels.attention import BACKENDS, resolve_backend
-from .memory import PeakMemoryMeter, peak_components
+from .memory import PeakMemoryMeter, batch_peak_components
 from .model_spec import ModelSpec
 
 
@@ -68,10 +69,11 @@ def measure(args) -> dict:
     seconds = time.perf_counter() - t0
     measured = meter.peak_growth()
     chunk = args.chunk_size or None
-    parts = (peak_components(spec, args.tokens, chunk, dtype, inplace_attention=args.inplace_attention,
-                             attention_backend=args.backend) if args.system == "prefillonly" else None)
+    members = [(len(part), 0) for part in split_members(ids, args.members)]
+    parts = (batch_peak_components(spec, members, chunk, dtype, inplace_attention=args.inplace_attention,
+                                   attention_backend=args.backend) if args.system == "prefillonly" else None)
     predicted = sum(parts.values()) if parts else None
-    return dict(system=args.system, tokens=args.tokens, chunk_size=chunk, dtype=args.dtype,
+    return dict(system=args.system, tokens=args.tokens, members=args.members, chunk_size=chunk, dtype=args.dtype,
                 inplace_attention=args.inplace_attention, attention_backend=args.backend, measured_bytes=measured,
                 predicted_bytes=predicted, predicted_parts=parts, heap_trimmed=heap_trimmed, mmap_pinned=mmap_pinned, small_forward_bytes=small_forward, bytes_per_token=measured / args.tokens, seconds=seconds)
 
@@ -115,8 +117,14 @@ def release_free_heap() -> bool:
         return False
 
 
+def split_members(ids: torch.Tensor, members: int) -> list[torch.Tensor]:
+    """`ids` as `members` sequences of nearly equal length (at most one fewer than members if
+    there are fewer tokens)."""
+    return [part for part in torch.tensor_split(ids, min(members, len(ids))) if len(part)]
+
+
 def _prefillonly_runner(args, spec, dtype, device):
-    from .executor import HybridPrefillExecutor
+    from .executor import ForwardBatch, HybridPrefillExecutor, Sequence
     from .weights import ModelWeights
 
     if args.random_config:
@@ -124,6 +132,9 @@ def _prefillonly_runner(args, spec, dtype, device):
     else:
         weights = ModelWeights.load(args.model, spec, dtype, device)
     executor = HybridPrefillExecutor(spec, weights, dtype, device, args.backend)
+    if args.members > 1:
+        return lambda ids: executor.forward_batch(ForwardBatch([Sequence(x) for x in split_members(ids, args.members)]),
+                                                  args.chunk_size or None, args.inplace_attention)
     return lambda ids: executor.forward(ids, args.chunk_size or None, inplace_attention=args.inplace_attention)
 
 
@@ -154,6 +165,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--inplace-attention", action="store_true", help="write attention over Q block by block (CPU)")
     p.add_argument("--attention-backend", default="auto", choices=BACKENDS, help="attention backend (auto: as the engine picks)")
+    p.add_argument("--members", type=int, default=1, help="run the tokens as one step of this many sequences (prefillonly)")
     args = p.parse_args(argv)
     args.backend = resolve_backend(args.attention_backend, torch.device("cpu")) if args.system == "prefillonly" else None
     if not (args.model or args.random_config):

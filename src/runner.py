@@ -40,6 +40,7 @@ class Step:
     tickets: list[CacheTicket | None]
     deferred: list[int] = field(default_factory=list)  # indexes (into begin's list) that must wait for a later step
     live: list[bool] = field(default_factory=list)
+    computed_tokens: int = 0  # prompt tokens the step's forwards computed (set by run)
 
 
 class PrefillRunner:
@@ -128,8 +129,10 @@ class PrefillRunner:
             if len(live) == 1 and step.requests[live[0]].runs_alone:
                 i = live[0]
                 results = [self._run_items(step.requests[i], step.tickets[i])]
+                step.computed_tokens = step.requests[i].total_tokens - _cached(step.tickets[i])
             else:
                 results = self._run_batch([step.requests[i] for i in live], [step.tickets[i] for i in live])
+                step.computed_tokens = sum(len(step.requests[i].token_ids) - _cached(step.tickets[i]) for i in live)
         except BaseException as e:  # every member gets exactly one answer
             for i in live:
                 if step.tickets[i] is not None:

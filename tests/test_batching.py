@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from concurrent.futures import CancelledError
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 
 import pytest
 import torch
@@ -354,12 +354,8 @@ def test_every_request_answered_once_under_concurrent_submits_cancels_and_deadli
                 with lock:
                     outcomes.append(kind)
 
-        threads = [threading.Thread(target=client, args=(s,)) for s in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not any(t.is_alive() for t in threads)
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(client, range(4), timeout=120))
         time.sleep(0.1)
         stats = engine.stats()
     assert len(outcomes) == 100

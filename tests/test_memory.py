@@ -87,6 +87,18 @@ def test_chunked_prediction_over_by_at_most_its_allowances(runs, tokens, dtype):
     assert over <= allowance, f"{detail}: over by more than the page, scratch and unseen allowances ({mib(allowance)})"
 
 
+def test_batched_step_prediction_never_below_and_over_by_at_most_its_allowances():
+    """A step of 12 sequences packed into 8,191 rows (chunk 512: chunks span sequences): its
+    prediction (the batch's workspace plan, the B last rows and logits) holds like a single
+    forward's."""
+    r = probe(8191, 512, "float32", "cpu_flash", CONFIG, "--members", "12")
+    assert r["members"] == 12 and r["heap_trimmed"] and r["mmap_pinned"], r
+    parts = r["predicted_parts"]
+    detail = f"step of 12, 8191 tokens: predicted {mib(r['predicted_bytes'])}, measured {mib(r['measured_bytes'])}"
+    assert r["predicted_bytes"] >= r["measured_bytes"], detail
+    assert r["predicted_bytes"] - r["measured_bytes"] <= parts["pages"] + parts["attention"] + parts["unseen"], detail
+
+
 def test_sdpa_prediction_never_below():
     tokens = 16384
     r = probe(tokens, 512, "bfloat16", "sdpa")

@@ -1,0 +1,80 @@
+"""A request as data: the argument checks that build a ScoreRequest, without a model."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefillonly import InvalidRequestError, PromptTooLongError
+from prefillonly.limits import RequestLimits
+from prefillonly.prompts import PromptEncoder
+from prefillonly.request import (ScoreRequest, check_cache_prefix_len, check_deadline, check_item_template, check_length,
+                                 check_namespace, check_priority, check_top_k)
+
+
+def test_score_request_counts_items_and_runs_multi_item_alone():
+    plain = ScoreRequest([1, 2, 3], [5])
+    items = ScoreRequest([1, 2, 3], [5], item_ids=[[7], [8, 9]])
+    assert plain.total_tokens == 3 and not plain.runs_alone
+    assert items.total_tokens == 6 and items.runs_alone
+
+
+@pytest.mark.parametrize("value,ok", [(0, True), (7, True), (100, True), (101, False), (-1, False), (True, False), (2.0, False), ("3", False)])
+def test_check_top_k(value, ok):
+    if ok:
+        assert check_top_k(value, 100) == value
+    else:
+        with pytest.raises(InvalidRequestError, match="top_k"):
+            check_top_k(value, 100)
+
+
+def test_check_cache_prefix_len():
+    assert check_cache_prefix_len(None, 40) == 40  # default: the whole prompt
+    assert check_cache_prefix_len(0, 40) == 0 and check_cache_prefix_len(40, 40) == 40
+    for bad in (41, -1, 1.5, True, "10"):
+        with pytest.raises(InvalidRequestError, match="cache_prefix_len"):
+            check_cache_prefix_len(bad, 40)
+
+
+def test_check_namespace_user_and_explicit():
+    assert check_namespace(None, None) is None
+    assert check_namespace(None, "alice") == "alice"
+    assert check_namespace("tenant", "alice") == "tenant"
+    for ns, user, name in ((3, None, "cache_namespace"), (None, b"bob", "user")):
+        with pytest.raises(InvalidRequestError, match=name):
+            check_namespace(ns, user)
+
+
+def test_check_length_priority_deadline():
+    check_length(10, 10)
+    with pytest.raises(PromptTooLongError, match="11 tokens, over the max input length 10"):
+        check_length(11, 10)
+    assert check_priority(-3) == -3
+    for bad in (1.0, True, "1", None):
+        with pytest.raises(InvalidRequestError, match="priority"):
+            check_priority(bad)
+    assert check_deadline(None) is None and check_deadline(2) == 2.0
+    for bad in (0, -1, float("nan"), True, "1"):
+        with pytest.raises(InvalidRequestError, match="deadline_s"):
+            check_deadline(bad)
+
+
+def test_check_item_template_is_literal():
+    check_item_template("Post: {item}\nAnswer:")
+    with pytest.raises(InvalidRequestError, match="has no {item}"):
+        check_item_template("Post: {x}")
+    with pytest.raises(InvalidRequestError, match="must be a string"):
+        check_item_template(7)
+
+
+def test_items_encoded_without_a_model():
+    limits = RequestLimits(max_prompt_bytes=100, max_prompts_per_request=4, max_items=2, max_allowed_tokens=4, max_token_bytes=10)
+    encoder = PromptEncoder(None, vocab_size=50, limits=limits)  # no tokenizer: token ids only
+    assert encoder.encode_items([[1, 2], [3]], None) == [[1, 2], [3]]
+    with pytest.raises(InvalidRequestError, match="too many items: 3"):
+        encoder.encode_items([[1], [2], [3]], None)
+    with pytest.raises(InvalidRequestError, match="items is empty"):
+        encoder.encode_items([], None)
+    with pytest.raises(InvalidRequestError, match="items must be a list"):
+        encoder.encode_items("one item", None)
+    with pytest.raises(InvalidRequestError):
+        encoder.encode_items([[1], [99]], None)  # outside the vocabulary
