@@ -136,7 +136,7 @@ SECTIONS = {
     "warm": (
         "Cached-prefix speed, Llama-3.1-8B shape: S new tokens after P cached (what a warm post-rec request does)",
         "time of executor.forward(new S, prefix P) vs a cold forward of P+S; model FLOPs per DESIGN.md §10 with the prefix. "
-        "Rows with batch B: B such requests in one executor.forward_batch step (each its own prefix), vs B forwards one by one.",
+        "Rows with batch B: B such requests in one executor.forward_batch step (each loads the same P cached tokens into its own K/V), vs B forwards one by one.",
     ),
     "performance": (
         "Prefill speed, Llama-3.1-8B shape (random bf16 weights)",
