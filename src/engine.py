@@ -246,7 +246,14 @@ class Engine:
 
     def _run_step(self, picked: list[WaitingRequest]) -> None:
         """One forward step over the picked requests; each gets exactly one answer."""
-        step = self.runner.begin([w.payload.request for w in picked])
+        try:
+            step = self.runner.begin([w.payload.request for w in picked])
+        except BaseException as e:  # the worker must survive: every picked request gets this error
+            for w in picked:
+                if w.payload.future.set_running_or_notify_cancel():
+                    self.counters[f"failed:{getattr(e, 'code', type(e).__name__)}"] += 1
+                    w.payload.future.set_exception(e)
+            return
         deferred = [picked[i] for i in step.deferred]
         if deferred:
             with self._cv:

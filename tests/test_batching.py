@@ -362,3 +362,31 @@ def test_every_request_answered_once_under_concurrent_submits_cancels_and_deadli
     assert stats["waiting"] == 0
     assert stats.get("completed", 0) == outcomes.count("ok")
     assert stats.get("rejected:deadline_exceeded", 0) == outcomes.count("deadline")
+
+
+def test_a_failing_step_answers_its_requests_and_the_worker_keeps_serving(family_folders):
+    with _engine(family_folders["llama_gqa_llama3rope_untied"]) as engine:
+        real_begin = engine.runner.begin
+
+        def broken_begin(requests):
+            engine.runner.begin = real_begin  # only this step fails
+            raise RuntimeError("cache exploded")
+
+        engine.runner.begin = broken_begin
+        with pytest.raises(RuntimeError, match="cache exploded"):
+            engine.submit([1, 2, 3], [5]).result(30)  # a dead worker would time out here
+        assert engine.stats()["failed:RuntimeError"] == 1
+        executor = engine.executor
+        real_forward = executor.forward_batch
+
+        def broken_forward(batch, chunk, inplace=False):
+            executor.forward_batch = real_forward
+            raise RuntimeError("forward exploded")
+
+        executor.forward_batch = broken_forward
+        prompt = list(range(40))  # two whole blocks: reserved, then released by the failure
+        with pytest.raises(RuntimeError, match="forward exploded"):
+            engine.submit(prompt, [5]).result(30)
+        again = engine.score(prompt, [5])  # nothing was cached by the failed step, nothing stays pinned
+        assert again.cached_tokens == 0 and engine.score(prompt, [5]).cached_tokens == 32
+        assert all(b.refs == 0 for b in engine.cache.index.blocks.values())
