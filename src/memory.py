@@ -76,8 +76,9 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
                estimate above, every sequence's output alive until the MLP half of the layer);
     captured   K/V of a captured prefix (multi-item), all layers;  prefix_gather: one layer's
                cached blocks of one sequence gathered from the pool (sequences load in turn);
-    small      ids, RoPE cos/sin tables (float32 on CPU) and one chunk's angle table, the B last
-               rows and their logits;
+    ids        the token ids (int64): built by the caller before the forward starts, but held for it;
+    small      RoPE cos/sin tables (float32 on CPU) and one chunk's angle table, the B last rows and
+               their logits;
     pages      one page per allocation (header and rounding): an allowance, not a buffer;
     unseen     what a forward allocates outside tensors: an allowance (UNSEEN_BYTES).
     """
@@ -102,7 +103,8 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
         attention=attention,
         captured=e * 2 * captured_tokens * spec.kv_width * spec.num_layers,
         prefix_gather=e * 2 * max(p for _, p in members) * spec.kv_width,
-        small=s * (8 + spec.head_dim * 4) + plan.chunk * spec.head_dim * 2 + last_rows,
+        ids=s * 8,
+        small=s * spec.head_dim * 4 + plan.chunk * spec.head_dim * 2 + last_rows,
         pages=_PAGE * (len(plan.shapes) + 2 * pieces + 8 + (2 * b if b > 1 else 0)),  # workspace, RoPE tables, the few others
         unseen=UNSEEN_BYTES,
     )
