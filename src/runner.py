@@ -98,7 +98,7 @@ class PrefillRunner:
             tickets = self.cache.begin_many([(r.block_hashes, len(r.token_ids), r.keep_len) for r in requests])
         step = Step(requests=list(requests), tickets=list(tickets), live=[True] * len(requests))
         if len(requests) > 1:
-            members = [(len(r.token_ids) - _cached(t), _cached(t)) for r, t in zip(requests, tickets)]
+            members = _members(requests, tickets)
             tokens = 0
             for i, (uncached, _) in enumerate(members):
                 tokens += uncached
@@ -132,7 +132,7 @@ class PrefillRunner:
                 step.computed_tokens = step.requests[i].total_tokens - _cached(step.tickets[i])
             else:
                 results = self._run_batch([step.requests[i] for i in live], [step.tickets[i] for i in live])
-                step.computed_tokens = sum(len(step.requests[i].token_ids) - _cached(step.tickets[i]) for i in live)
+                step.computed_tokens = sum(u for u, _ in _members([step.requests[i] for i in live], [step.tickets[i] for i in live]))
         except BaseException as e:  # every member gets exactly one answer
             for i in live:
                 if step.tickets[i] is not None:
@@ -146,7 +146,7 @@ class PrefillRunner:
         return outcomes
 
     def _run_batch(self, requests: list[ScoreRequest], tickets: list[CacheTicket | None]) -> list[ScoreResult]:
-        members = [(len(r.token_ids) - _cached(t), _cached(t)) for r, t in zip(requests, tickets)]
+        members = _members(requests, tickets)
         # a step of several passed fits() (out of place); a single request may need attention in place
         inplace = self.needs_inplace_attention(*members[0]) if len(requests) == 1 else False
         batch = ForwardBatch([_uncached_sequence(r.token_ids, t) for r, t in zip(requests, tickets)])
@@ -199,6 +199,11 @@ class PrefillRunner:
                 group, tokens = [j], len(ids)
         groups.append(group)
         return groups
+
+
+def _members(requests: list[ScoreRequest], tickets: list[CacheTicket | None]) -> list[tuple[int, int]]:
+    """(uncached, cached) tokens of each request's prompt, as its ticket found the cache."""
+    return [(len(r.token_ids) - _cached(t), _cached(t)) for r, t in zip(requests, tickets)]
 
 
 def _cached(ticket: CacheTicket | None) -> int:
