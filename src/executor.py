@@ -4,7 +4,8 @@ Per layer:
   A. per token chunk of the packed rows: RMSNorm -> fused QKV matmul -> (q/k norm) -> RoPE at
      each sequence's own positions, written into that sequence's Q/K/V segment;
   B. attention per sequence, over its whole length at once (kernels.causal_attention), its
-     cached prefix K/V first;
+     cached prefix K/V first; on the Triton backend one launch for the whole batch, reading
+     pool-backed prefixes in place (kernels.triton_attention);
   C. per token chunk: o_proj + residual add, RMSNorm, fused gate/up matmul, SwiGLU, down_proj
      + residual add, in place on the residual stream.
 The B sequences of a ForwardBatch are packed row after row: the per-token ops (all the
@@ -22,9 +23,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache.prefix_kv import CaptureSink, KVSink, PrefixKV, PrefixSource, Sinks
-from .kernels.ops import rms_norm_needs_scratch, rope_table_dtype
-from .kernels import add_linear_, causal_attention, causal_attention_inplace, linear_into, rms_norm_into, rope_into, swiglu_into
-from .kernels.attention import cpu_flash_applies
+from .kernels.ops import add_rms_norm_, rms_norm_needs_scratch, rope_qkv_into, rope_table_dtype
+from .kernels import add_linear_, causal_attention, causal_attention_inplace, linear_into, rms_norm_into, swiglu_into
+from .kernels import triton_support
+from .kernels.attention import cpu_flash_applies, triton_covers
 from .model_spec import ModelSpec
 from .rope import RotaryTable
 from .weights import ModelWeights
@@ -129,7 +131,8 @@ class HybridPrefillExecutor:
         offered each layer's K/V (the prefix cache keeps its blocks); `capture=(start, end)`
         returns the K/V of absolute positions [start, end) (prefix positions included).
         inplace_attention writes attention's output over Q block by block (less memory, slower;
-        CPU only). The compiled CPU kernel always writes over Q: it costs nothing there.
+        CPU only). The compiled CPU kernel and the Triton kernel always write over Q: it costs
+        nothing there.
         """
         spec, seqs = self.spec, batch.sequences
         captures = [CaptureSink(*s.capture) if s.capture else None for s in seqs]
@@ -148,17 +151,24 @@ class HybridPrefillExecutor:
         ks = [ws["k"][:, a : a + s.prefix_tokens + s.new_tokens] for a, s in zip(batch.kv_starts, seqs)]
         vs = [ws["v"][:, a : a + s.prefix_tokens + s.new_tokens] for a, s in zip(batch.kv_starts, seqs)]
         inplace_attention = inplace_attention or cpu_flash_applies(self.attention_backend, ws["q"])
+        fused, paged = None, [None] * len(seqs)
+        if triton_covers(self.attention_backend, self.device, self.dtype, spec.head_dim):
+            fused, paged = self._batch_attention(batch)
+        loads = [s.prefix_tokens > 0 and pg is None for s, pg in zip(seqs, paged)]  # the rest are read in place
 
         for li, layer in enumerate(self.weights.layers):
-            for s, k, v in zip(seqs, ks, vs):
-                if s.prefix_tokens:
+            for s, k, v, load in zip(seqs, ks, vs, loads):
+                if load:
                     s.prefix.load(li, k[:, : s.prefix_tokens], v[:, : s.prefix_tokens])
             for (c0, c1), chunk_pieces in zip(chunks, pieces):
                 self._qkv_chunk(layer, ws, c0, c1, chunk_pieces, seqs, ks, vs)
             for sink, k, v in zip(sinks, ks, vs):
                 if sink is not None:
                     sink.store(li, k, v)
-            if inplace_attention:  # each output is its own query segment
+            if fused is not None:  # one launch, each output over its own query segment
+                fused.run(li, ws["q"], ws["k"], ws["v"])
+                attn = qs
+            elif inplace_attention:  # each output is its own query segment
                 attn = [causal_attention_inplace(q, k, v, self.scale, backend=self.attention_backend) for q, k, v in zip(qs, ks, vs)]
             else:
                 attn = [causal_attention(q, k, v, self.scale, self.attention_backend) for q, k, v in zip(qs, ks, vs)]
@@ -169,6 +179,23 @@ class HybridPrefillExecutor:
         logits = self._last_logits(ws, [r + s.new_tokens - 1 for r, s in zip(batch.row_starts, seqs)])
         self.tokens_computed += plan.new_tokens
         return BatchOutput(logits=logits, captured=[c.captured if c else None for c in captures])
+
+    def _batch_attention(self, batch: ForwardBatch):
+        """The Triton attention of this batch, and per sequence the (pool, slots) its prefix is
+        read from in place (None: loaded into its workspace segment as on the other backends)."""
+        paged, pool = [], None
+        for s in batch.sequences:
+            pg = s.prefix.paged() if s.prefix_tokens else None
+            if pg is not None and s.capture is not None and s.capture[0] < s.prefix_tokens:
+                pg = None  # the capture copies prefix positions out of the workspace: they must be there
+            if pg is not None:
+                pool = pool or pg[0]
+                pg = pg if pg[0] is pool else None
+            paged.append(pg)
+        attention = triton_support.attention_module().BatchAttention(
+            batch.row_starts, [s.new_tokens for s in batch.sequences], batch.kv_starts,
+            [s.prefix_tokens for s in batch.sequences], paged, self.scale, self.device)
+        return attention, paged
 
     def _last_logits(self, ws, rows: list[int]) -> torch.Tensor:
         """[len(rows), vocab] float32: the final norm and LM head on the given rows only (never
@@ -187,22 +214,15 @@ class HybridPrefillExecutor:
     def _qkv_chunk(self, layer, ws, c0, c1, pieces, seqs, ks, vs) -> None:
         """A. packed rows [c0, c1): norm, fused QKV, (q/k norm), RoPE -> each sequence's Q/K/V."""
         spec, n = self.spec, c1 - c0
-        hq, hkv, hd, qw, kw = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.q_width, spec.kv_width
         x = rms_norm_into(ws["normed"][:n], ws["hidden"][c0:c1], layer.input_norm, spec.rms_norm_eps, ws["scratch32"][:n, : spec.hidden_size])
         out = linear_into(ws["qkv"][:n], x, layer.wqkv, layer.bqkv)
-        q = out[:, :qw].view(n, hq, hd)
-        k = out[:, qw : qw + kw].view(n, hkv, hd)
-        v = out[:, qw + kw :].view(n, hkv, hd)
-        if layer.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k, in place
-            rms_norm_into(q, q, layer.q_norm, spec.rms_norm_eps, ws["scratch32"][:n, :qw].view(n, hq, hd))
-            rms_norm_into(k, k, layer.k_norm, spec.rms_norm_eps, ws["scratch32"][:n, :kw].view(n, hkv, hd))
+        qk_norm = (layer.q_norm, layer.k_norm, spec.rms_norm_eps) if layer.q_norm is not None else None  # Qwen3
         row = c0
         for i, r0, r1, cos, sin in pieces:
             a, b = row - c0, row - c0 + (r1 - r0)  # the piece's rows within this chunk
             p = seqs[i].prefix_tokens
-            rope_into(ws["q"][:, row : row + (r1 - r0)], q[a:b].transpose(0, 1), cos, sin)
-            rope_into(ks[i][:, p + r0 : p + r1], k[a:b].transpose(0, 1), cos, sin)
-            vs[i][:, p + r0 : p + r1].copy_(v[a:b].transpose(0, 1))
+            rope_qkv_into(ws["q"][:, row : row + (r1 - r0)], ks[i][:, p + r0 : p + r1], vs[i][:, p + r0 : p + r1], out[a:b],
+                          cos, sin, spec.num_heads, spec.num_kv_heads, qk_norm, ws["scratch32"][a:b])
             row += r1 - r0
 
     def _mlp_chunk(self, layer, ws, attn, c0, c1, pieces) -> None:
@@ -214,7 +234,7 @@ class HybridPrefillExecutor:
         for i, r0, r1, _, _ in pieces:
             o[row : row + (r1 - r0)].copy_(attn[i][:, r0:r1].transpose(0, 1))
             row += r1 - r0
-        add_linear_(h, ws["o_rows"][:n], layer.wo, layer.bo, ws["proj"][:n])
-        x = rms_norm_into(ws["normed"][:n], h, layer.post_norm, spec.rms_norm_eps, ws["scratch32"][:n, : spec.hidden_size])
+        proj = linear_into(ws["proj"][:n], ws["o_rows"][:n], layer.wo, layer.bo)
+        x = add_rms_norm_(h, proj, layer.post_norm, spec.rms_norm_eps, ws["normed"][:n], ws["scratch32"][:n, : spec.hidden_size])
         act = swiglu_into(ws["act"][:n], linear_into(ws["gate_up"][:n], x, layer.w_gate_up, layer.b_gate_up))
         add_linear_(h, act, layer.w_down, layer.b_down, ws["proj"][:n])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels.attention import INPLACE_QUERY_BLOCK, cpu_flash_covers, cpu_flash_scratch_bytes
+from .kernels.attention import INPLACE_QUERY_BLOCK, cpu_flash_covers, cpu_flash_scratch_bytes, triton_covers
 from .model_spec import ModelSpec
 from .kernels.ops import rms_norm_needs_scratch
 from .workspace import plan_workspace
@@ -75,10 +75,12 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
 
     workspace  the batch's buffers (exact: the executor allocates this plan);
     attention  attention's output and temporaries (for the compiled CPU kernel, which writes over
-               Q: its float32 scratch, as it reports it, one call at a time; for SDPA the measured
-               estimate above, every sequence's output alive until the MLP half of the layer);
+               Q: its float32 scratch, as it reports it, one call at a time; for the Triton kernel,
+               which writes over Q with no scratch: none; for SDPA the measured estimate above,
+               every sequence's output alive until the MLP half of the layer);
     captured   K/V of a captured prefix (multi-item), all layers;  prefix_gather: one layer's
-               cached blocks of one sequence gathered from the pool (sequences load in turn);
+               cached blocks of one sequence gathered from the pool (sequences load in turn;
+               none on the Triton backend, which reads the pool's blocks in place);
     ids        the token ids (int64): built by the caller before the forward starts, but held for it;
     small      RoPE cos/sin tables (float32 on CPU) and one chunk's angle table, the B last rows and
                their logits;
@@ -91,7 +93,10 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
     device = torch.device(device)
     plan = plan_workspace(spec, s, chunk_size, dtype, sum(p for _, p in members),
                           fp32_scratch=rms_norm_needs_scratch(device, dtype, spec.qk_norm))
-    if cpu_flash_covers(attention_backend, device, dtype, spec.head_dim):
+    in_place_kernel = triton_covers(attention_backend, device, dtype, spec.head_dim)
+    if in_place_kernel:  # the Triton kernel writes over Q and allocates nothing
+        attention = 0
+    elif cpu_flash_covers(attention_backend, device, dtype, spec.head_dim):
         attention = cpu_flash_scratch_bytes(spec.head_dim, spec.num_heads // spec.num_kv_heads)
     elif inplace_attention:  # one query block's flash outputs and float32 merge at a time
         longest = max(n for n, _ in members)
@@ -105,7 +110,7 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
         workspace=plan.nbytes(),
         attention=attention,
         captured=e * 2 * captured_tokens * spec.kv_width * spec.num_layers,
-        prefix_gather=e * 2 * max(p for _, p in members) * spec.kv_width,
+        prefix_gather=0 if in_place_kernel else e * 2 * max(p for _, p in members) * spec.kv_width,
         ids=s * 8,
         small=s * spec.head_dim * 4 + plan.chunk * spec.head_dim * 2 + last_rows,
         pages=_PAGE * (len(plan.shapes) + 2 * pieces + 8 + (2 * b if b > 1 else 0)),  # workspace, RoPE tables, the few others

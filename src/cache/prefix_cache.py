@@ -39,6 +39,9 @@ class _PoolSource:
     def load(self, layer: int, k_dst: torch.Tensor, v_dst: torch.Tensor) -> None:
         self.pool.read(layer, self.slots, k_dst, v_dst)
 
+    def paged(self) -> tuple[KVPool, torch.Tensor]:
+        return self.pool, self.slots
+
 
 class _PoolSink:
     """Writes positions [start, start + n_blocks * B) of each layer into the reserved slots."""

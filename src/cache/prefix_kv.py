@@ -20,6 +20,10 @@ class PrefixSource(Protocol):
     def load(self, layer: int, k_dst: torch.Tensor, v_dst: torch.Tensor) -> None:
         """Write this layer's prefix K/V into k_dst, v_dst ([kv_heads, length, head_dim])."""
 
+    def paged(self) -> tuple[object, torch.Tensor] | None:
+        """(pool, slots) when the K/V sits in a KVPool's blocks that attention may read in place
+        (the Triton kernel does, instead of load); None if it must be loaded."""
+
 
 class KVSink(Protocol):
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -38,6 +42,9 @@ class PrefixKV:
     def load(self, layer: int, k_dst: torch.Tensor, v_dst: torch.Tensor) -> None:
         k_dst.copy_(self.keys[layer][:, : k_dst.shape[1]])
         v_dst.copy_(self.values[layer][:, : v_dst.shape[1]])
+
+    def paged(self) -> None:
+        return None
 
 
 @dataclass

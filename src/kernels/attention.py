@@ -10,11 +10,16 @@ Backends:
                cached-prefix suffixes in one pass, float32 / bfloat16, head_dim a multiple of 16
                up to 256; it writes its output over Q (no second [Hq, S, D] tensor). Calls it
                does not cover (other dtypes or head dims) run on sdpa.
+  "triton"     our Triton-language kernel (triton_attention.py), CUDA (or CPU under Triton's
+               interpreter): the whole batch in one launch, cached prefixes read in place from
+               the prefix pool's blocks, output over Q; bfloat16 / float16, head_dim a power of
+               two 16..256. Calls it does not cover run on sdpa.
   "sdpa"       torch scaled_dot_product_attention (CPU and CUDA).
   "flash_attn" flash-attn's flash_attn_func, CUDA only, when the package is importable
                (its causal mask is bottom-right aligned when Lq != Lk).
   "auto"       cpu_flash on CPU when the kernel is built and the CPU has AVX2 or AVX-512;
-               flash_attn where available on CUDA; else sdpa.
+               triton on CUDA when the triton package imports (PREFILLONLY_TRITON_KERNELS=0
+               turns it off), else flash_attn where available; else sdpa.
 """
 
 from __future__ import annotations
@@ -25,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from . import cpu_ext
+from . import cpu_ext, triton_support
 
-BACKENDS = ("auto", "sdpa", "flash_attn", "cpu_flash")
+BACKENDS = ("auto", "sdpa", "flash_attn", "cpu_flash", "triton")
 
 # Bound on one query block's mask (elements) on the Lq != Lk path: the masked SDPA path
 # materialises a [block, Lk] mask, so blocks keep it small at any key length.
@@ -44,13 +49,25 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         if device.type == "cpu":
             return "cpu_flash" if cpu_ext.load_attention() is not None else "sdpa"
+        if device.type == "cuda" and triton_support.runs_on(device):
+            return "triton"
         return "flash_attn" if device.type == "cuda" and flash_attn_available() else "sdpa"
     if backend == "flash_attn" and not (device.type == "cuda" and flash_attn_available()):
         raise ValueError("attention backend 'flash_attn' needs CUDA and the flash-attn package")
     if backend == "cpu_flash" and (device.type != "cpu" or cpu_ext.load_attention() is None):
         why = "it runs on CPU only" if device.type != "cpu" else cpu_ext.why_attention_unavailable()
         raise ValueError(f"attention backend 'cpu_flash' is unavailable: {why}")
+    if backend == "triton" and not triton_support.runs_on(device):
+        why = ("PREFILLONLY_TRITON_KERNELS=0" if triton_support.disabled_by_env() else
+               "the triton package does not import" if triton_support.triton_version() is None else
+               "it runs on CUDA, or on CPU only under TRITON_INTERPRET=1")
+        raise ValueError(f"attention backend 'triton' is unavailable: {why}")
     return backend
+
+
+def triton_covers(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `backend` runs such attention on the Triton kernel (else it falls back to SDPA)."""
+    return backend == "triton" and triton_support.attention_applies(device, dtype, head_dim)
 
 
 def cpu_flash_covers(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:

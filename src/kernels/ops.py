@@ -5,7 +5,8 @@ once per request and reused by every chunk and layer: the request's memory is th
 the workspace (see workspace.py) plus attention's output, which memory.py predicts.
 
 On CPU (float32 / bfloat16) RMSNorm, RoPE and SwiGLU run as one compiled pass each
-(cpu_ops.cpp via cpu_ext); elsewhere, or when the kernels cannot be built, as torch ops.
+(cpu_ops.cpp via cpu_ext); on CUDA (bfloat16 / float16) as Triton-language kernels
+(triton_ops.py; triton_support says when); elsewhere, or when neither applies, as torch ops.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cpu_ext
+from . import cpu_ext, triton_support
 
 
 def compiled_ops(t: torch.Tensor):
@@ -24,15 +25,27 @@ def compiled_ops(t: torch.Tensor):
 
 
 def rms_norm_needs_scratch(device: torch.device, dtype: torch.dtype, qk_norm: bool) -> bool:
-    """Whether rms_norm_into will use its float32 scratch: only on the torch path (no compiled
-    kernel here, or Qwen3's per-head q/k norms, which are 3-d views). The workspace leaves the
-    scratch out otherwise, so the memory prediction counts no buffer that is never touched."""
-    return qk_norm or compiled_ops(torch.empty(0, device=device, dtype=dtype)) is None
+    """Whether rms_norm_into will use its float32 scratch: only on the torch path (no kernel
+    here, or Qwen3's per-head q/k norms, which are 3-d views, on the compiled CPU path; the
+    Triton path norms them inside rope_qkv_into). The workspace leaves the scratch out otherwise,
+    so the memory prediction counts no buffer that is never touched."""
+    probe = torch.empty(0, device=device, dtype=dtype)
+    if triton_support.applies(probe) and compiled_ops(probe) is None:
+        return False
+    return qk_norm or compiled_ops(probe) is None
 
 
 def rope_table_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """The dtype rope_into wants its cos/sin tables in: float32 for the compiled kernel."""
-    return torch.float32 if compiled_ops(torch.empty(0, device=device, dtype=dtype)) is not None else dtype
+    """The dtype rope_into wants its cos/sin tables in: float32 for the compiled and Triton kernels."""
+    probe = torch.empty(0, device=device, dtype=dtype)
+    return torch.float32 if compiled_ops(probe) is not None or triton_support.applies(probe) else dtype
+
+
+def _triton_rows(*ts: torch.Tensor):
+    """triton_ops when its kernels take these 2-d row tensors, else None."""
+    if triton_support.applies(ts[0]) and compiled_ops(ts[0]) is None and all(t.dim() == 2 and t.stride(-1) == 1 for t in ts):
+        return triton_support.ops_module()
+    return None
 
 
 def rms_norm_into(out: torch.Tensor, x: torch.Tensor, weight32: torch.Tensor, eps: float, scratch32: torch.Tensor) -> torch.Tensor:
@@ -46,11 +59,25 @@ def rms_norm_into(out: torch.Tensor, x: torch.Tensor, weight32: torch.Tensor, ep
     if kernels is not None and x.dim() == 2 and x.stride(-1) == 1 and out.stride(-1) == 1:
         kernels.rms_norm(x, out, weight32, eps)
         return out
+    fused = _triton_rows(x, out)
+    if fused is not None:
+        return fused.rms_norm(out, x, weight32, eps)
     h = scratch32.copy_(x)
     inv_rms = torch.linalg.vector_norm(h, dim=-1, keepdim=True)  # sqrt(sum x^2)
     inv_rms.square_().div_(h.shape[-1]).add_(eps).rsqrt_()
     h.mul_(inv_rms)
     return torch.mul(h, weight32, out=out)
+
+
+def add_rms_norm_(h: torch.Tensor, delta: torch.Tensor, weight32: torch.Tensor, eps: float, out: torch.Tensor,
+                  scratch32: torch.Tensor) -> torch.Tensor:
+    """h += delta, then out = RMSNorm(h) * weight (one pass on the Triton path): the residual
+    add of o_proj followed by the post-attention norm."""
+    fused = _triton_rows(h, delta, out)
+    if fused is not None:
+        return fused.add_rms_norm(h, delta, weight32, eps, out)
+    h.add_(delta)
+    return rms_norm_into(out, h, weight32, eps, scratch32)
 
 
 def linear_into(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -87,6 +114,28 @@ def rope_into(dst: torch.Tensor, src: torch.Tensor, cos: torch.Tensor, sin: torc
     d2.addcmul_(x1, sin)
 
 
+def rope_qkv_into(q_dst: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, heads: int, kv_heads: int, qk_norm: tuple | None, scratch32: torch.Tensor) -> None:
+    """The fused QKV rows of one piece ([n, (heads + 2 kv_heads) * hd]) into the workspace:
+    q_dst [heads, n, hd] and k_dst [kv_heads, n, hd] rotated, v_dst copied. qk_norm =
+    (q weight32, k weight32, eps): Qwen3's per-head RMSNorm of q and k first (on the torch path
+    in place in qkv, through scratch32 [n, >= heads * hd] float32). One pass on the Triton path."""
+    if triton_support.applies(qkv) and compiled_ops(qkv) is None and cos.dtype == torch.float32:
+        triton_support.ops_module().rope_qkv(q_dst, k_dst, v_dst, qkv, cos, sin, heads, kv_heads, qk_norm)
+        return
+    n, hd = qkv.shape[0], q_dst.shape[-1]
+    qw, kw = heads * hd, kv_heads * hd
+    q = qkv[:, :qw].view(n, heads, hd)
+    k = qkv[:, qw : qw + kw].view(n, kv_heads, hd)
+    if qk_norm is not None:
+        wq, wk, eps = qk_norm
+        rms_norm_into(q, q, wq, eps, scratch32[:n, :qw].view(n, heads, hd))
+        rms_norm_into(k, k, wk, eps, scratch32[:n, :kw].view(n, kv_heads, hd))
+    rope_into(q_dst, q.transpose(0, 1), cos, sin)
+    rope_into(k_dst, k.transpose(0, 1), cos, sin)
+    v_dst.copy_(qkv[:, qw + kw :].view(n, kv_heads, hd).transpose(0, 1))
+
+
 def swiglu_into(out: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     """out [rows, F] = silu(gate) * up, where gate_up [rows, 2F] = [gate | up] (gate is
     overwritten, on the torch path). Writing a contiguous `out` lets down_proj read it without a copy."""
@@ -94,6 +143,9 @@ def swiglu_into(out: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     if kernels is not None and gate_up.stride(-1) == 1 and out.stride(-1) == 1:
         kernels.swiglu(gate_up, out)
         return out
+    fused = _triton_rows(gate_up, out)
+    if fused is not None:
+        return fused.swiglu(out, gate_up)
     f = gate_up.shape[-1] // 2
     gate = F.silu(gate_up[:, :f], inplace=True)
     return torch.mul(gate, gate_up[:, f:], out=out)

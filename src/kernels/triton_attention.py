@@ -1,0 +1,205 @@
+"""Prefill attention over a packed batch of sequences with paged cached prefixes (Triton).
+
+One launch serves a whole ForwardBatch: cold prompts (no prefix), warm suffixes and batched
+steps alike. Sequence i has q_len[i] new queries (packed rows q_start[i] ... of Q) and ctx[i]
+keys: its first paged[i] keys are read in place from the prefix pool's blocks through its
+block table (no copy into the workspace), the rest from its workspace K/V segment (starting
+at kv_start[i], at the same absolute positions). Query m of sequence i sits at absolute
+position ctx[i] - q_len[i] + m and sees keys 0 .. that position (bottom-right causal).
+
+Layouts (strides are passed, so views work):
+  q, out   [Hq, rows, D]        out may be q itself: a program reads its query tile before it
+                                writes its output tile, and no other program touches those rows
+  k, v     [Hkv, kv_rows, D]    the workspace's per-layer K/V (sequence segments back to back)
+  pages    [slots, Hkv, B, D]   one layer of the prefix pool (kv_pool.KVPool.k[layer])
+  table    [n_seq, max_blocks]  int32 slot of each prefix block
+
+Online softmax in float32 (exp2 with log2(e) folded into the scale), GQA by indexing (query head
+h reads K/V head h // group), grid (query blocks of the longest sequence, sequences, Hq); programs
+past a sequence's end return at once. Keys below every query of a tile run unmasked; only the
+diagonal tiles apply the causal mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_tuning import attention_tiles
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tile(q, k_ptrs, v_ptrs, kmask, visible, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr):
+    """One key tile of the online softmax: returns the updated (m_i, l_i, acc). MASKED: keys
+    outside `kmask` are not loaded and scores outside `visible` drop out (both unused otherwise)."""
+    if MASKED:
+        k = tl.load(k_ptrs, mask=kmask[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=kmask[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    Q, K, V, Out, KP, VP, Table,
+    q_start_ptr, q_len_ptr, kv_start_ptr, ctx_ptr, paged_ptr,
+    s_qh, s_qt, s_kh, s_kt, s_oh, s_ot,
+    s_ps, s_ph, s_pt, s_tb,
+    qk_scale,
+    GROUP: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    seq = tl.program_id(1)
+    h = tl.program_id(2)
+    q_len = tl.load(q_len_ptr + seq)
+    if pid_m * BLOCK_M >= q_len:
+        return
+    q_start = tl.load(q_start_ptr + seq)
+    kv_start = tl.load(kv_start_ptr + seq)
+    ctx = tl.load(ctx_ptr + seq)
+    paged = tl.load(paged_ptr + seq)
+    first_pos = ctx - q_len  # absolute position of query 0 (= the prefix length)
+    kvh = h // GROUP
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    qmask = offs_m < q_len
+    q = tl.load(Q + h * s_qh + (q_start + offs_m)[:, None] * s_qt + offs_d[None, :], mask=qmask[:, None], other=0.0)
+    pos_m = first_pos + offs_m  # each query's absolute position
+
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+
+    # 1. the paged prefix [0, paged): every query sees all of it
+    for n0 in range(0, paged, BLOCK_N):
+        offs_n = n0 + offs_n0
+        kmask = offs_n < paged
+        slot = tl.load(Table + seq * s_tb + offs_n // PAGE, mask=kmask, other=0)
+        row = slot[:, None] * s_ps + kvh * s_ph + (offs_n % PAGE)[:, None] * s_pt + offs_d[None, :]
+        m_i, l_i, acc = _attend_tile(q, KP + row, VP + row, kmask, kmask[None, :], m_i, l_i, acc, qk_scale, MASKED=True)
+
+    # 2. the workspace keys [paged, ctx): unmasked while below the tile's first query, then causal
+    seg = kv_start + offs_n0
+    diag = tl.minimum(first_pos + pid_m * BLOCK_M + 1, ctx)  # keys < diag are visible to every query here
+    n_full = paged + ((diag - paged) // BLOCK_N) * BLOCK_N
+    for n0 in range(paged, n_full, BLOCK_N):
+        row = kvh * s_kh + (seg + n0)[:, None] * s_kt + offs_d[None, :]
+        m_i, l_i, acc = _attend_tile(q, K + row, V + row, offs_n0, offs_n0, m_i, l_i, acc, qk_scale, MASKED=False)
+    hi = tl.minimum(ctx, first_pos + (pid_m + 1) * BLOCK_M)
+    for n0 in range(n_full, hi, BLOCK_N):
+        offs_n = n0 + offs_n0
+        kmask = offs_n < ctx
+        visible = (offs_n[None, :] <= pos_m[:, None]) & kmask[None, :]
+        row = kvh * s_kh + (seg + n0)[:, None] * s_kt + offs_d[None, :]
+        m_i, l_i, acc = _attend_tile(q, K + row, V + row, kmask, visible, m_i, l_i, acc, qk_scale, MASKED=True)
+
+    out = acc / l_i[:, None]
+    tl.store(Out + h * s_oh + (q_start + offs_m)[:, None] * s_ot + offs_d[None, :], out.to(Out.dtype.element_ty),
+             mask=qmask[:, None])
+
+
+def _int32(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+class BatchLayout:
+    """The per-sequence offsets of one packed batch, as device tensors, built once per forward."""
+
+    def __init__(self, q_starts: list[int], q_lens: list[int], kv_starts: list[int], ctx_lens: list[int],
+                 paged_lens: list[int], device: torch.device):
+        self.n = len(q_lens)
+        self.max_q = max(q_lens)
+        self.q_start, self.q_len = _int32(q_starts, device), _int32(q_lens, device)
+        self.kv_start, self.ctx = _int32(kv_starts, device), _int32(ctx_lens, device)
+        self.paged = _int32(paged_lens, device)
+        self.any_paged = any(paged_lens)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layout: BatchLayout,
+                      scale: float, pages: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                      tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """Attention of every sequence of `layout` (see the module docstring), written into `out`.
+
+    pages = (k_pages, v_pages, table) when any sequence reads a paged prefix. `tiles` =
+    (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the tuned choice (tests, the tuner).
+    """
+    hq, _, d = q.shape
+    hkv = k.shape[0]
+    for t in (q, k, v, out):
+        if t.stride(-1) != 1:
+            raise ValueError("prefill_attention needs unit stride in head_dim")
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} not a multiple of kv heads {hkv}")
+    if layout.any_paged and pages is None:
+        raise ValueError("a sequence reads a paged prefix but no pages were given")
+    if pages is None:  # never read: any tensors with the right dtype
+        kp = vp = k
+        table = layout.paged
+        s_ps = s_ph = s_pt = s_tb = 0
+        page = 1
+    else:
+        kp, vp, table = pages
+        if kp.stride() != vp.stride() or kp.stride(-1) != 1:
+            raise ValueError("k and v pages need the same layout, unit stride in head_dim")
+        s_ps, s_ph, s_pt = kp.stride(0), kp.stride(1), kp.stride(2)
+        s_tb = table.stride(0)
+        page = kp.shape[2]
+    if k.stride() != v.stride():
+        raise ValueError("k and v need the same strides")
+    block_m, block_n, warps, stages = tiles or attention_tiles(d, q.dtype, q.device)
+    grid = (triton.cdiv(layout.max_q, block_m), layout.n, hq)
+    _prefill_attention_kernel[grid](
+        q, k, v, out, kp, vp, table,
+        layout.q_start, layout.q_len, layout.kv_start, layout.ctx, layout.paged,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1),
+        s_ps, s_ph, s_pt, s_tb,
+        float(scale) * _LOG2E,
+        GROUP=hq // hkv, PAGE=page, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=warps, num_stages=stages,
+    )
+    return out
+
+
+class BatchAttention:
+    """One forward's attention on this kernel: the layout and block table built once, then
+    `run(layer, q, k, v)` per layer, output over q.
+
+    paged[i] = (pool, slots) for a sequence whose cached prefix attention reads in place from
+    the pool (all from the same pool), None for one whose prefix (if any) was loaded into its
+    workspace segment."""
+
+    def __init__(self, row_starts: list[int], new_tokens: list[int], kv_starts: list[int], prefix_tokens: list[int],
+                 paged: list[tuple[object, torch.Tensor] | None], scale: float, device: torch.device):
+        paged_lens = [p if pg is not None else 0 for p, pg in zip(prefix_tokens, paged)]
+        self.layout = BatchLayout(row_starts, new_tokens, kv_starts, [p + n for p, n in zip(prefix_tokens, new_tokens)],
+                                  paged_lens, device)
+        self.scale = scale
+        self.pool, self.table = None, None
+        used = [pg for pg in paged if pg is not None]
+        if used:
+            self.pool = used[0][0]
+            if any(pool is not self.pool for pool, _ in used):
+                raise ValueError("paged prefixes of one batch must come from one pool")
+            self.table = torch.zeros((len(paged), max(s.shape[0] for _, s in used)), dtype=torch.int32, device=device)
+            for i, pg in enumerate(paged):
+                if pg is not None:
+                    self.table[i, : pg[1].shape[0]] = pg[1].to(device=device, dtype=torch.int32)
+
+    def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        pages = (self.pool.k[layer], self.pool.v[layer], self.table) if self.pool is not None else None
+        return prefill_attention(q, k, v, q, self.layout, self.scale, pages)

@@ -1,0 +1,139 @@
+"""Fused per-token kernels of the layer loop in the Triton language (CUDA; CPU under the interpreter).
+
+Each is one pass over a chunk's rows, statistics and arithmetic in float32, one rounding to the
+output dtype (the torch ops they replace take 2-6 passes):
+  rms_norm      out = RMSNorm(x) * w
+  add_rms_norm  h += delta (rounded to h's dtype, as torch's add_), then out = RMSNorm(h) * w
+  rope_qkv      the fused QKV rows of one piece -> Q and K rotated (after Qwen3's per-head q/k
+                norm when given) and V copied, written head-major into the workspace segments
+  swiglu        out = silu(gate) * up from the fused [gate | up] rows
+The wrappers in ops.py choose these when triton_support.applies(); see there for the contracts.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(X, Delta, Out, W, s_x, s_d, s_o, n, eps, ADD: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(X + row * s_x + cols, mask=mask, other=0.0)
+    if ADD:  # the residual add, rounded to the stream's dtype before the norm reads it back
+        x = (x.to(tl.float32) + tl.load(Delta + row * s_d + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(X + row * s_x + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    tl.store(Out + row * s_o + cols, (xf * inv * w).to(Out.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() != 2 or t.stride(-1) != 1:
+        raise ValueError(f"expected rows with unit stride, got shape {tuple(t.shape)} strides {t.stride()}")
+    return t
+
+
+def rms_norm(out: torch.Tensor, x: torch.Tensor, weight32: torch.Tensor, eps: float) -> torch.Tensor:
+    """x, out [rows, n] (out may be x); weight32 [n] float32."""
+    rows, n = _rows(x).shape
+    _rows(out)
+    if rows:
+        _rms_norm_kernel[(rows,)](x, x, out, weight32, x.stride(0), 0, out.stride(0), n, eps, ADD=False,
+                                  BLOCK=triton.next_power_of_2(n))
+    return out
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight32: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
+    """h += delta; out = RMSNorm(h) * weight32. h, delta, out: [rows, n]."""
+    rows, n = _rows(h).shape
+    _rows(delta), _rows(out)
+    if rows:
+        _rms_norm_kernel[(rows,)](h, delta, out, weight32, h.stride(0), delta.stride(0), out.stride(0), n, eps, ADD=True,
+                                  BLOCK=triton.next_power_of_2(n))
+    return out
+
+
+@triton.jit
+def _rope_qkv_kernel(QKV, Cos, Sin, Qd, Kd, Vd, QW, KW,
+                     s_row, s_cos, s_qh, s_qt, s_kh, s_kt, n, eps,
+                     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
+                     QK_NORM: tl.constexpr, BT: tl.constexpr):
+    """Program (token block, head): heads [0, HQ) are Q, [HQ, HQ + HKV) K, then V."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    head = tl.program_id(1)
+    c = tl.arange(0, HALF_P2)
+    mask = (t < n)[:, None] & (c < HALF)[None, :]
+    is_q = head < HQ
+    is_v = head >= HQ + HKV
+    col = head * 2 * HALF  # the fused row is [q heads | k heads | v heads]
+    src = QKV + t[:, None] * s_row + col + c[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0)
+    if is_v:
+        dst = Vd + (head - HQ - HKV) * s_kh + t[:, None] * s_kt + c[None, :]
+        tl.store(dst, x1, mask=mask)
+        tl.store(dst + HALF, x2, mask=mask)
+    else:
+        a = x1.to(tl.float32)
+        b = x2.to(tl.float32)
+        if QK_NORM:  # Qwen3: per-head RMSNorm of q / k before RoPE, rounded as the torch path does
+            inv = 1.0 / tl.sqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * HALF) + eps)
+            w = tl.where(is_q, QW, KW)
+            w1 = tl.load(w + c, mask=c < HALF, other=0.0)
+            w2 = tl.load(w + HALF + c, mask=c < HALF, other=0.0)
+            a = (a * inv[:, None] * w1[None, :]).to(x1.dtype).to(tl.float32)
+            b = (b * inv[:, None] * w2[None, :]).to(x1.dtype).to(tl.float32)
+        cos = tl.load(Cos + t[:, None] * s_cos + c[None, :], mask=mask, other=0.0)
+        sin = tl.load(Sin + t[:, None] * s_cos + c[None, :], mask=mask, other=0.0)
+        if is_q:
+            dst = Qd + head * s_qh + t[:, None] * s_qt + c[None, :]
+        else:
+            dst = Kd + (head - HQ) * s_kh + t[:, None] * s_kt + c[None, :]
+        tl.store(dst, (a * cos - b * sin).to(x1.dtype), mask=mask)
+        tl.store(dst + HALF, (b * cos + a * sin).to(x1.dtype), mask=mask)
+
+
+def rope_qkv(q_dst: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor, heads: int, kv_heads: int, qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> None:
+    """qkv [n, (heads + 2 kv_heads) * hd] fused rows -> q_dst [heads, n, hd], k_dst / v_dst
+    [kv_heads, n, hd] (unit stride in hd; k and v with the same strides). cos, sin: [n, hd/2]
+    float32. qk_norm = (q weight32, k weight32, eps) applies Qwen3's per-head norms first."""
+    n = _rows(qkv).shape[0]
+    hd = q_dst.shape[-1]
+    if k_dst.stride() != v_dst.stride() or q_dst.stride(-1) != 1 or k_dst.stride(-1) != 1:
+        raise ValueError("rope_qkv: k and v destinations need the same strides, all unit stride in head_dim")
+    if cos.dtype != torch.float32 or cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        raise ValueError("rope_qkv: cos/sin must be float32 with the same layout")
+    if n == 0:
+        return
+    qw, kw, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
+    bt = 16
+    _rope_qkv_kernel[(triton.cdiv(n, bt), heads + 2 * kv_heads)](
+        qkv, cos, sin, q_dst, k_dst, v_dst, qw, kw,
+        qkv.stride(0), cos.stride(0), q_dst.stride(0), q_dst.stride(1), k_dst.stride(0), k_dst.stride(1), n, eps,
+        HQ=heads, HKV=kv_heads, HALF=hd // 2, HALF_P2=triton.next_power_of_2(hd // 2), QK_NORM=qk_norm is not None, BT=bt)
+
+
+@triton.jit
+def _swiglu_kernel(GU, Out, s_gu, s_o, f, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < f
+    g = tl.load(GU + row * s_gu + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(GU + row * s_gu + f + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + row * s_o + cols, (g / (1.0 + tl.exp(-g)) * u).to(Out.dtype.element_ty), mask=mask)
+
+
+def swiglu(out: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """out [rows, F] = silu(gate) * up, gate_up [rows, 2F] = [gate | up] (left unchanged)."""
+    rows, f2 = _rows(gate_up).shape
+    _rows(out)
+    if rows:
+        block = min(1024, triton.next_power_of_2(f2 // 2))
+        _swiglu_kernel[(rows, triton.cdiv(f2 // 2, block))](gate_up, out, gate_up.stride(0), out.stride(0), f2 // 2, BLOCK=block)
+    return out
