@@ -38,11 +38,17 @@ import torch
 import torch.nn.functional as F
 
 from prefillonly.executor import ForwardBatch, HybridPrefillExecutor, Sequence
+from prefillonly.kernels import triton_support
 from prefillonly.memory import PeakMemoryMeter, predict_peak_bytes
 from prefillonly.model_spec import ModelSpec
 from prefillonly.weights import ModelWeights
 
 H200_DATASHEET_BF16_FLOPS = 989e12  # dense bf16, DESIGN.md §10
+
+
+def backends(device: torch.device) -> list[str]:
+    """The attention backends compared side by side: the Triton kernels (where they run) and torch's SDPA."""
+    return (["triton"] if triton_support.runs_on(device) else []) + ["sdpa"]
 CARD_BYTES = 141e9  # H200 memory as sold
 USABLE_FRACTION = 0.9  # share of the card a deployment would give the engine
 
@@ -321,6 +327,8 @@ def check_one_config(report: Report, plan: Plan, label: str, config, seed: int) 
         hf_fp32.save_pretrained(folder)
         spec = ModelSpec.from_folder(folder)
         ours = {dt: HybridPrefillExecutor(spec, ModelWeights.load(folder, spec, dt, dev), dt, dev, "sdpa") for dt in (torch.bfloat16, torch.float32)}
+        if "triton" in backends(dev):  # bf16 on the Triton kernels (fp32 stays on the torch ops)
+            ours["triton"] = HybridPrefillExecutor(spec, ModelWeights.load(folder, spec, torch.bfloat16, dev), torch.bfloat16, dev, "triton")
     hf_bf16 = copy.deepcopy(hf_fp32).to(torch.bfloat16).to(dev)
     hf_fp32 = hf_fp32.to(dev)
     gen = torch.Generator().manual_seed(1000 + seed)
@@ -335,12 +343,13 @@ def check_one_config(report: Report, plan: Plan, label: str, config, seed: int) 
             ours_bf16, _ = engine_logprobs(ours[torch.bfloat16], ids, chunk)
             ours_fp32, _ = engine_logprobs(ours[torch.float32], ids, chunk)
             err16, err32 = max_abs_diff(ours_bf16, ref), max_abs_diff(ours_fp32, ref)
+            err_triton = max_abs_diff(engine_logprobs(ours["triton"], ids, chunk)[0], ref) if "triton" in ours else None
             report.add("correctness", {
                 "model": label, "S": s, "chunk": chunk,
                 "ref_logprob_std": float(ref.std()),  # spread of the reference: a flat one would test little
-                "hf_bf16": hf_err, "ours_bf16": err16, "bf16_limit": bf16_limit(hf_err),
+                "hf_bf16": hf_err, "ours_bf16": err16, "ours_bf16_triton": err_triton, "bf16_limit": bf16_limit(hf_err),
                 "ours_fp32": err32,
-                "pass": err16 <= bf16_limit(hf_err) and err32 <= FP32_LIMIT,
+                "pass": err16 <= bf16_limit(hf_err) and err32 <= FP32_LIMIT and (err_triton is None or err_triton <= bf16_limit(hf_err)),
             })
 
     s, p = plan.prefix_split
@@ -348,14 +357,17 @@ def check_one_config(report: Report, plan: Plan, label: str, config, seed: int) 
     ref = reference_logprobs(hf_fp32, ids, dev)
     hf_err = max_abs_diff(reference_logprobs(hf_bf16, ids, dev), ref)
     row = {"model": label, "S": s, "P": p, "chunk": 64}
-    for dt, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+    for dt, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32"), ("triton", "bf16_triton")):
+        if dt not in ours:
+            continue
         full, _ = engine_logprobs(ours[dt], ids, None)
         _, head = engine_logprobs(ours[dt], ids[:p], None, capture=(0, p))
         tail, _ = engine_logprobs(ours[dt], ids[p:], 64, prefix=head.captured)
         row[f"ours_{name}"] = max_abs_diff(tail, ref)
         row[f"{name}_prefix_vs_full"] = max_abs_diff(tail, full)
     row["bf16_limit"] = bf16_limit(hf_err)
-    row["pass"] = row["ours_bf16"] <= row["bf16_limit"] and row["ours_fp32"] <= FP32_LIMIT and row["fp32_prefix_vs_full"] <= FP32_LIMIT
+    row["pass"] = (row["ours_bf16"] <= row["bf16_limit"] and row["ours_fp32"] <= FP32_LIMIT and row["fp32_prefix_vs_full"] <= FP32_LIMIT
+                   and row.get("ours_bf16_triton", 0.0) <= row["bf16_limit"])
     report.add("prefix", row)
     del ours, hf_fp32, hf_bf16
     free_device_memory()
@@ -417,38 +429,72 @@ def check_engine(report: Report, plan: Plan) -> None:
 
 
 def measure_warm_requests(report: Report, plan: Plan, matmul_rate: float | None) -> None:
-    """The cached-prefix path at 8B scale: S new tokens over P cached ones (masked SDPA on CUDA)."""
-    from prefillonly.cache.prefix_kv import PrefixKV
+    """The cached-prefix path at 8B scale: S new tokens over P tokens cached in a real PrefixCache
+    (16-token blocks so that P is whole blocks), single and a batched step of warm requests, per
+    backend: Triton reads the pool's blocks in place, SDPA gathers them into the workspace."""
+    from prefillonly.cache.prefix_cache import PrefixCache
 
     spec = ModelSpec.from_hf_config(llama31_8b_config(**plan.perf_shape))
     dev = plan.device
     weights = ModelWeights.random(spec, torch.bfloat16, dev)
-    executor = HybridPrefillExecutor(spec, weights, torch.bfloat16, dev, "sdpa")
+    chunk = plan.perf_chunks[0]
     for p, s in plan.warm_shapes:
-        if seconds_left(plan) < 60:
-            report.add("errors", {"step": f"warm P={p} S={s}", "error": "skipped: time budget"})
-            continue
         ids = torch.randint(0, spec.vocab_size, (p + s,))
-        prefix: PrefixKV = executor.forward(ids[:p], plan.perf_chunks[0], capture=(0, p)).captured
-        warm = time_call(lambda: executor.forward(ids[p:], plan.perf_chunks[0], prefix=prefix), dev, 3)
-        cold = time_call(lambda: executor.forward(ids, plan.perf_chunks[0]), dev, 2)
-        flops = model_flops(spec, s, p)
-        t = statistics.median(warm)
-        report.add("warm", {"P": p, "S": s, "batch": 1, "warm_ms": 1e3 * t, "cold_ms": 1e3 * statistics.median(cold),
-                            "speedup": statistics.median(cold) / t, "TFLOP/s": flops / t / 1e12,
-                            "MFU_datasheet": flops / t / H200_DATASHEET_BF16_FLOPS})
-        if (p, s) == plan.warm_shapes[0] and plan.warm_batch > 1 and seconds_left(plan) >= 60:
-            b = plan.warm_batch
-            batch = ForwardBatch([Sequence(torch.randint(0, spec.vocab_size, (s,)), prefix=prefix) for _ in range(b)])
-            step = statistics.median(time_call(lambda: executor.forward_batch(batch, plan.perf_chunks[0]), dev, 3))
-            report.add("warm", {"P": p, "S": s, "batch": b, "warm_ms": 1e3 * step, "one_by_one_ms": 1e3 * b * t,
-                                "speedup": b * t / step, "TFLOP/s": b * flops / step / 1e12,
-                                "MFU_datasheet": b * flops / step / H200_DATASHEET_BF16_FLOPS})
-            del batch
-        del prefix
-        free_device_memory()
-    del executor, weights
+        for backend in backends(dev):
+            if seconds_left(plan) < 60:
+                report.add("errors", {"step": f"warm P={p} S={s} {backend}", "error": "skipped: time budget"})
+                continue
+            executor = HybridPrefillExecutor(spec, weights, torch.bfloat16, dev, backend)
+            cache = PrefixCache(spec, torch.bfloat16, dev, block_size=16, budget_bytes=2 * p * spec.kv_width * spec.num_layers * 2 + (64 << 20))
+            keep = cache.begin(cache.hashes(ids[:p].tolist(), None), p + 1, p)  # computes the profile's blocks
+            executor.forward(ids[: p + 1], chunk, sink=keep.sink)
+            cache.commit(keep)
+            t = cache.begin(cache.hashes(ids.tolist(), None), p + s, 0)
+            new = ids[t.cached_tokens :]
+            warm_fn = lambda: executor.forward(new, chunk, prefix=t.source)  # noqa: E731
+            warm = time_call(warm_fn, dev, 3)
+            cold = time_call(lambda: executor.forward(ids, chunk), dev, 2)
+            gap = max_abs_diff(warm_fn().logits.float().log_softmax(-1), executor.forward(ids, chunk).logits.float().log_softmax(-1))
+            flops = model_flops(spec, len(new), t.cached_tokens)
+            w = statistics.median(warm)
+            report.add("warm", {"backend": backend, "P": t.cached_tokens, "S": len(new), "batch": 1, "warm_ms": 1e3 * w,
+                                "cold_ms": 1e3 * statistics.median(cold), "speedup": statistics.median(cold) / w,
+                                "TFLOP/s": flops / w / 1e12, "MFU_datasheet": flops / w / H200_DATASHEET_BF16_FLOPS,
+                                "warm_vs_cold_logprob_gap": gap})
+            if (p, s) == plan.warm_shapes[0] and plan.warm_batch > 1 and seconds_left(plan) >= 60:
+                b = plan.warm_batch
+                batch = ForwardBatch([Sequence(torch.randint(0, spec.vocab_size, (len(new),)), prefix=t.source) for _ in range(b)])
+                step = statistics.median(time_call(lambda: executor.forward_batch(batch, chunk), dev, 3))
+                report.add("warm", {"backend": backend, "P": t.cached_tokens, "S": len(new), "batch": b, "warm_ms": 1e3 * step,
+                                    "one_by_one_ms": 1e3 * b * w, "speedup": b * w / step, "TFLOP/s": b * flops / step / 1e12,
+                                    "MFU_datasheet": b * flops / step / H200_DATASHEET_BF16_FLOPS})
+                del batch
+            cache.commit(t)
+            free_device_memory()
+    del weights
     free_device_memory()
+
+
+def tune_attention_tiles(report: Report, plan: Plan) -> None:
+    """Pick the Triton attention's tiles for this GPU on an 8K-token 8B-shape prompt, before
+    anything is timed (the choice is cached on disk; see kernels/triton_tuning.py)."""
+    if "triton" not in backends(plan.device):
+        return
+    from prefillonly.kernels.triton_attention import BatchLayout, prefill_attention
+    from prefillonly.kernels.triton_tuning import tune_attention
+
+    spec = ModelSpec.from_hf_config(llama31_8b_config(**plan.perf_shape))
+    dev, n = plan.device, min(8192, max(plan.perf_lengths))
+    q = torch.randn(spec.num_heads, n, spec.head_dim, device=dev, dtype=torch.bfloat16)
+    k, v = (torch.randn(spec.num_kv_heads, n, spec.head_dim, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    out = torch.empty_like(q)
+    layout = BatchLayout([0], [n], [0], [n], [0], dev)
+    timings = tune_attention(lambda tiles: prefill_attention(q, k, v, out, layout, spec.head_dim ** -0.5, tiles=tiles),
+                             spec.head_dim, torch.bfloat16, dev)
+    flops = 2 * spec.num_heads * spec.head_dim * n * n  # causal: half of 4*H*D*n^2
+    for tiles, t in timings.items():
+        report.add("tuning", {"tiles (BM, BN, warps, stages)": str(tiles), "S": n, "ms": 1e3 * t if isinstance(t, float) else t,
+                              "TFLOP/s": flops / t / 1e12 if isinstance(t, float) else None})
 
 
 # --------------------------------------------------------------------------------------------
@@ -510,27 +556,31 @@ def measure_performance(report: Report, plan: Plan, matmul_rate: float | None) -
     report.add("env", {"key": "perf_model", "value": f"{shape}, N={spec.non_embedding_params() / 1e9:.3f}e9"})
     log(f"perf: making random weights ({weight_bytes(spec, torch.bfloat16) / 1e9:.2f} GB bf16)")
     weights = ModelWeights.random(spec, torch.bfloat16, dev)
-    executor = HybridPrefillExecutor(spec, weights, torch.bfloat16, dev, "sdpa")
+    executors = {b: HybridPrefillExecutor(spec, weights, torch.bfloat16, dev, b) for b in backends(dev)}
     gen = torch.Generator().manual_seed(7)
     prompt = torch.randint(0, spec.vocab_size, (max(plan.perf_lengths),), generator=gen, dtype=torch.long)
 
     smallest = min(plan.perf_lengths)
     log(f"perf: warm-up at {smallest} tokens")
-    warm_s = min(time_call(lambda: executor.forward(prompt[:smallest], plan.perf_chunks[0]), dev, 2))
+    for executor in executors.values():
+        warm_s = min(time_call(lambda: executor.forward(prompt[:smallest], plan.perf_chunks[0]), dev, 2))
     achieved = model_flops(spec, smallest) / warm_s  # first estimate of the rate, for the budget
 
     for s in plan.perf_lengths:
-        for chunk in plan.perf_chunks:
+        # every chunk size on the default backend; the others beside it at the first chunk size
+        runs = [(b, c) for b in executors for c in (plan.perf_chunks if b == next(iter(executors)) else plan.perf_chunks[:1])]
+        for backend, chunk in runs:
             reps = 3 if s <= 8192 else (2 if s <= 32768 else 1)
             estimate = reps * model_flops(spec, s) / achieved
             if estimate > seconds_left(plan) - plan.reserve_after_perf_s:
-                report.add("errors", {"step": f"perf S={s} chunk={chunk}", "error": f"skipped: ~{estimate:.0f}s needed, time budget"})
+                report.add("errors", {"step": f"perf S={s} chunk={chunk} {backend}", "error": f"skipped: ~{estimate:.0f}s needed, time budget"})
                 continue
-            row = run_step(report, f"perf S={s} chunk={chunk}", time_prefill, executor, spec, prompt[:s], chunk, reps, matmul_rate)
+            row = run_step(report, f"perf S={s} chunk={chunk} {backend}", time_prefill, executors[backend], spec, prompt[:s], chunk,
+                           reps, matmul_rate)
             if row:
                 achieved = row["TFLOP/s"] * 1e12
-                report.add("performance", row)
-    del executor, weights
+                report.add("performance", {"backend": backend, **row})
+    del executors, weights
     free_device_memory()
 
 
@@ -566,12 +616,14 @@ def measure_memory(report: Report, plan: Plan) -> None:
     prompt = torch.randint(0, spec.vocab_size, (max(plan.memory_lengths),), generator=gen, dtype=torch.long)
 
     weights = ModelWeights.random(spec, torch.bfloat16, dev)
-    executor = HybridPrefillExecutor(spec, weights, torch.bfloat16, dev, "sdpa")
-    ours = [("hybrid", plan.memory_chunk), ("unchunked", None)]
-    for method, chunk in ours:
-        for s in plan.memory_lengths:
-            run_step(report, f"memory {method} S={s}", measure_engine_peak, report, plan, executor, spec, prompt[:s], method, chunk, card_left)
-    del executor, weights
+    for backend in backends(dev):
+        executor = HybridPrefillExecutor(spec, weights, torch.bfloat16, dev, backend)
+        ours = [(f"hybrid {backend}", plan.memory_chunk)] + ([(f"unchunked {backend}", None)] if backend == "sdpa" else [])
+        for method, chunk in ours:
+            for s in plan.memory_lengths:
+                run_step(report, f"memory {method} S={s}", measure_engine_peak, report, plan, executor, spec, prompt[:s], method, chunk, card_left)
+        del executor
+    del weights
     free_device_memory()
 
     model = run_step(report, "memory: build transformers model", build_transformers_model, config, dev)
@@ -587,7 +639,7 @@ def measure_engine_peak(report, plan, executor, spec, ids, method, chunk, card_l
     meter.start()
     executor.forward(ids, chunk)
     peak = meter.peak_growth()
-    predicted = predict_peak_bytes(spec, len(ids), chunk, torch.bfloat16, device="cuda")
+    predicted = predict_peak_bytes(spec, len(ids), chunk, torch.bfloat16, attention_backend=executor.attention_backend, device=plan.device)
     report.add("memory", memory_row(method, len(ids), chunk, peak, predicted, card_left))
 
 
@@ -753,6 +805,7 @@ def main(argv=None) -> int:
     matmul_rate = run_step(report, "matmul rate", measure_matmul_rate, report, plan)
     if "perf" not in skip:
         log("step 2: performance")
+        run_step(report, "attention tiles", tune_attention_tiles, report, plan)
         run_step(report, "performance", measure_performance, report, plan, matmul_rate)
         run_step(report, "warm requests", measure_warm_requests, report, plan, matmul_rate)
     if "memory" not in skip:

@@ -20,8 +20,7 @@ past a sequence's end return at once. Keys below every query of a tile run unmas
 diagonal tiles apply the causal mask.
 """
 
-from __future__ import annotations
-
+# no `from __future__ import annotations` here: triton < 3.3 reads tl.constexpr from real annotations
 import torch
 import triton
 import triton.language as tl

@@ -10,26 +10,36 @@ output dtype (the torch ops they replace take 2-6 passes):
 The wrappers in ops.py choose these when triton_support.applies(); see there for the contracts.
 """
 
-from __future__ import annotations
-
+# no `from __future__ import annotations` here: triton < 3.3 reads tl.constexpr from real annotations
 import torch
 import triton
 import triton.language as tl
 
+from .triton_support import interpreting
+
 
 @triton.jit
-def _rms_norm_kernel(X, Delta, Out, W, s_x, s_d, s_o, n, eps, ADD: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _rms_norm_kernel(X, Delta, Out, W, s_x, s_d, s_o, rows, n, eps, ADD: tl.constexpr, ROWS: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n
-    x = tl.load(X + row * s_x + cols, mask=mask, other=0.0)
+    mask = (r < rows)[:, None] & (cols < n)[None, :]
+    x = tl.load(X + r[:, None] * s_x + cols[None, :], mask=mask, other=0.0)
     if ADD:  # the residual add, rounded to the stream's dtype before the norm reads it back
-        x = (x.to(tl.float32) + tl.load(Delta + row * s_d + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-        tl.store(X + row * s_x + cols, x, mask=mask)
+        delta = tl.load(Delta + r[:, None] * s_d + cols[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + delta.to(tl.float32)).to(x.dtype)
+        tl.store(X + r[:, None] * s_x + cols[None, :], x, mask=mask)
     xf = x.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
-    w = tl.load(W + cols, mask=mask, other=0.0)
-    tl.store(Out + row * s_o + cols, (xf * inv * w).to(Out.dtype.element_ty), mask=mask)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 1) / n + eps)
+    w = tl.load(W + cols, mask=cols < n, other=0.0)
+    tl.store(Out + r[:, None] * s_o + cols[None, :], (xf * inv[:, None] * w[None, :]).to(Out.dtype.element_ty), mask=mask)
+
+
+def _row_tiles(rows: int, n: int) -> tuple[int, int]:
+    """(rows per program, padded width): one row of a wide hidden state per program, several
+    narrow rows per program (~4K elements a program, fewer launches of tiny programs)."""
+    block = triton.next_power_of_2(n)
+    return max(1, min(64, 4096 // block)), block
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -43,8 +53,9 @@ def rms_norm(out: torch.Tensor, x: torch.Tensor, weight32: torch.Tensor, eps: fl
     rows, n = _rows(x).shape
     _rows(out)
     if rows:
-        _rms_norm_kernel[(rows,)](x, x, out, weight32, x.stride(0), 0, out.stride(0), n, eps, ADD=False,
-                                  BLOCK=triton.next_power_of_2(n))
+        per, block = _row_tiles(rows, n)
+        _rms_norm_kernel[(triton.cdiv(rows, per),)](x, x, out, weight32, x.stride(0), 0, out.stride(0), rows, n, eps,
+                                                    ADD=False, ROWS=per, BLOCK=block)
     return out
 
 
@@ -53,8 +64,9 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight32: torch.Tensor, e
     rows, n = _rows(h).shape
     _rows(delta), _rows(out)
     if rows:
-        _rms_norm_kernel[(rows,)](h, delta, out, weight32, h.stride(0), delta.stride(0), out.stride(0), n, eps, ADD=True,
-                                  BLOCK=triton.next_power_of_2(n))
+        per, block = _row_tiles(rows, n)
+        _rms_norm_kernel[(triton.cdiv(rows, per),)](h, delta, out, weight32, h.stride(0), delta.stride(0), out.stride(0),
+                                                    rows, n, eps, ADD=True, ROWS=per, BLOCK=block)
     return out
 
 
@@ -112,7 +124,7 @@ def rope_qkv(q_dst: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor, qkv:
     if n == 0:
         return
     qw, kw, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
-    bt = 16
+    bt = 64 if interpreting() else 16  # fewer programs where each costs Python time
     _rope_qkv_kernel[(triton.cdiv(n, bt), heads + 2 * kv_heads)](
         qkv, cos, sin, q_dst, k_dst, v_dst, qw, kw,
         qkv.stride(0), cos.stride(0), q_dst.stride(0), q_dst.stride(1), k_dst.stride(0), k_dst.stride(1), n, eps,
@@ -120,13 +132,14 @@ def rope_qkv(q_dst: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor, qkv:
 
 
 @triton.jit
-def _swiglu_kernel(GU, Out, s_gu, s_o, f, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _swiglu_kernel(GU, Out, s_gu, s_o, rows, f, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < f
-    g = tl.load(GU + row * s_gu + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(GU + row * s_gu + f + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Out + row * s_o + cols, (g / (1.0 + tl.exp(-g)) * u).to(Out.dtype.element_ty), mask=mask)
+    mask = (r < rows)[:, None] & (cols < f)[None, :]
+    at = GU + r[:, None] * s_gu + cols[None, :]
+    g = tl.load(at, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(at + f, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + r[:, None] * s_o + cols[None, :], (g / (1.0 + tl.exp(-g)) * u).to(Out.dtype.element_ty), mask=mask)
 
 
 def swiglu(out: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
@@ -134,6 +147,7 @@ def swiglu(out: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     rows, f2 = _rows(gate_up).shape
     _rows(out)
     if rows:
-        block = min(1024, triton.next_power_of_2(f2 // 2))
-        _swiglu_kernel[(rows, triton.cdiv(f2 // 2, block))](gate_up, out, gate_up.stride(0), out.stride(0), f2 // 2, BLOCK=block)
+        per, block = _row_tiles(rows, min(f2 // 2, 1024))
+        _swiglu_kernel[(triton.cdiv(rows, per), triton.cdiv(f2 // 2, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), rows, f2 // 2, ROWS=per, BLOCK=block)
     return out

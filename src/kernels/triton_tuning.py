@@ -23,7 +23,7 @@ from .triton_support import interpreting, triton_version
 
 CANDIDATES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 128, 4, 2), (128, 64, 4, 4)]
 _DEFAULTS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
-_INTERPRETER_TILES = (16, 16, 1, 1)
+_INTERPRETER_TILES = (32, 32, 1, 1)  # tl.dot needs >= 16; 32 keeps the interpreter quick
 _loaded: dict | None = None
 
 

@@ -1,0 +1,320 @@
+"""The Triton-language kernels against float64 references and the torch path.
+
+Not collected by the main run (no test_ prefix): tests/test_triton_kernels.py runs this file
+in a subprocess, under Triton's interpreter on CPU (TRITON_INTERPRET=1 must be set before the
+kernels are defined, i.e. before they are imported) and natively on CUDA when a GPU is present.
+The interpreter has no bfloat16 (numpy), so it runs float16, which is the same kernel code;
+bfloat16 runs where CUDA does.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from prefillonly.cache.prefix_cache import PrefixCache
+from prefillonly.executor import ForwardBatch, HybridPrefillExecutor, Sequence
+from prefillonly.kernels import triton_support
+from prefillonly.kernels.attention import causal_attention, resolve_backend, triton_covers
+from prefillonly.kernels.triton_attention import BatchLayout, prefill_attention
+from prefillonly.kernels import triton_ops
+from prefillonly.model_spec import ModelSpec
+from prefillonly.weights import ModelWeights
+
+from .conftest import FAMILY_CONFIGS, make_random_model
+from .reference import attention_float64, hf_logprobs, load_hf, max_abs
+
+INTERPRETED = triton_support.interpreting()
+DEVICE = torch.device("cpu" if INTERPRETED or not torch.cuda.is_available() else "cuda")
+DTYPES = [torch.float16] if DEVICE.type == "cpu" else [torch.float16, torch.bfloat16]
+# one rounding of the output in these dtypes, plus float32 accumulation over <= ~1,000 keys
+ATTN_TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+pytestmark = pytest.mark.skipif(not triton_support.runs_on(DEVICE), reason="needs CUDA, or TRITON_INTERPRET=1 on CPU")
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(gen, *shape, dtype):
+    return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=dtype)
+
+
+def _pool(gen, slots, hkv, page, d, dtype):
+    return _randn(gen, slots, hkv, page, d, dtype=dtype), _randn(gen, slots, hkv, page, d, dtype=dtype)
+
+
+def _batch(gen, members, hq, hkv, d, page, dtype, slots=64):
+    """members = [(new, prefix, paged?)]: packed Q/K/V, pages, a block table, and per member
+    its full K/V ([Hkv, prefix + new, d]: the pages' rows first where paged) for the reference."""
+    rows = sum(n for n, _, _ in members)
+    kv_rows = sum(n + p for n, p, _ in members)
+    q, k, v = (_randn(gen, h, r, d, dtype=dtype) for h, r in ((hq, rows), (hkv, kv_rows), (hkv, kv_rows)))
+    kp, vp = _pool(gen, slots, hkv, page, d, dtype)
+    perm = torch.randperm(slots, generator=gen)
+    max_blocks = max([-(-p // page) for _, p, _ in members] + [1])
+    table = torch.zeros((len(members), max_blocks), dtype=torch.int32, device=DEVICE)
+    q_starts, kv_starts, fulls, used = [], [], [], 0
+    r = a = 0
+    for i, (n, p, paged) in enumerate(members):
+        kk, vv = k[:, a : a + p + n].clone(), v[:, a : a + p + n].clone()
+        if paged and p:
+            nb = -(-p // page)
+            sl = perm[used : used + nb].to(DEVICE)
+            used += nb
+            table[i, :nb] = sl.int()
+            kk[:, :p] = kp[sl].transpose(0, 1).reshape(hkv, -1, d)[:, :p]
+            vv[:, :p] = vp[sl].transpose(0, 1).reshape(hkv, -1, d)[:, :p]
+        q_starts.append(r)
+        kv_starts.append(a)
+        fulls.append((kk, vv))
+        r, a = r + n, a + p + n
+    layout = BatchLayout(q_starts, [n for n, _, _ in members], kv_starts, [n + p for n, p, _ in members],
+                         [p if paged else 0 for _, p, paged in members], DEVICE)
+    return q, k, v, (kp, vp, table), layout, fulls
+
+
+def _check_batch(members, hq, hkv, d, page, dtype, tiles=None, seed=0):
+    gen = _gen(seed)
+    q, k, v, pages, layout, fulls = _batch(gen, members, hq, hkv, d, page, dtype)
+    scale = d ** -0.5
+    out = prefill_attention(q, k, v, torch.empty_like(q), layout, scale, pages, tiles=tiles)
+    for (n, _, _), start, (kk, vv) in zip(members, layout.q_start.tolist(), fulls):
+        want = attention_float64(q[:, start : start + n].cpu(), kk.cpu(), vv.cpu(), scale)
+        got = out[:, start : start + n].cpu()
+        assert max_abs(got, want) <= ATTN_TOL[dtype], (members, hq, hkv, d, page, tiles)
+        # and the torch path on the same inputs (SDPA, the fallback the engine would use)
+        torch_path = causal_attention(q[:, start : start + n], kk, vv, scale, "sdpa").cpu()
+        assert max_abs(got, torch_path) <= 2 * ATTN_TOL[dtype]
+    return q, k, v, pages, layout, out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("new", [1, 7, 63, 64, 65])
+@pytest.mark.parametrize("prefix", [0, 1, 15, 48])  # 15 = block - 1 of 16-token pages, 48 = 3 blocks
+def test_attention_lengths_and_prefixes(new, prefix, dtype):
+    for paged in ((False, True) if prefix else (False,)):
+        _check_batch([(new, prefix, paged)], hq=4, hkv=1, d=64, page=16, dtype=dtype, seed=new * 100 + prefix)
+
+
+def test_attention_every_prefix_offset():
+    """Prefix lengths 0..33 with 16-key tiles: every residue of the diagonal against the tile
+    grid (the unmasked/masked split is right at each), loaded and paged prefixes alike."""
+    for p in range(34):
+        _check_batch([(20, p, p % 2 == 1), (3, 33 - p, p % 3 == 0)], hq=2, hkv=1, d=16, page=16, dtype=torch.float16,
+                     tiles=(16, 16, 1, 1), seed=p)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 1), (8, 1), (8, 2)])  # GQA groups 1, 4, 8, 4
+@pytest.mark.parametrize("d", [16, 64, 128])
+def test_attention_gqa_and_head_dims(hq, hkv, d):
+    _check_batch([(33, 20, True), (5, 0, False)], hq, hkv, d, page=16, dtype=torch.float16, seed=hq * 10 + d)
+
+
+def test_attention_long_sequence_several_tiles():
+    """1,000 new queries after a 130-token paged prefix (64-token pages, not a tile multiple)."""
+    _check_batch([(1000, 130, True)], hq=4, hkv=1, d=64, page=64, dtype=torch.float16, tiles=(64, 64, 4, 2))
+
+
+@pytest.mark.parametrize("tiles", [(16, 16, 1, 1), (32, 16, 1, 1), (16, 64, 1, 1)])
+def test_attention_packed_batch_any_tiles(tiles):
+    """A mixed batch (cold, warm paged, warm loaded, fully cached but one) in one launch; tiles
+    smaller and larger than the 16-token pages."""
+    members = [(7, 0, False), (40, 33, True), (1, 47, True), (20, 16, False), (65, 64, True)]
+    _check_batch(members, hq=4, hkv=2, d=32, page=16, dtype=torch.float16, tiles=tiles, seed=sum(tiles))
+
+
+def test_attention_in_place_over_q_equals_out_of_place():
+    members = [(70, 20, True), (9, 0, False), (33, 5, False)]
+    q, k, v, pages, layout, out = _check_batch(members, hq=8, hkv=2, d=64, page=16, dtype=torch.float16, seed=5)
+    prefill_attention(q, k, v, q, layout, 64 ** -0.5, pages)
+    assert torch.equal(q, out)
+
+
+def test_attention_rejects_bad_layouts():
+    gen = _gen(1)
+    q = _randn(gen, 3, 5, 64, dtype=torch.float16)
+    k = _randn(gen, 2, 5, 64, dtype=torch.float16)
+    layout = BatchLayout([0], [5], [0], [5], [0], DEVICE)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        prefill_attention(q, k, k, q, layout, 0.1)
+    paged = BatchLayout([0], [5], [0], [5], [2], DEVICE)
+    with pytest.raises(ValueError, match="no pages"):
+        prefill_attention(q[:2], k, k, q[:2], paged, 0.1)
+
+
+# -- per-token kernels ---------------------------------------------------------------------------
+def _norm64(x, w, eps):
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+@pytest.mark.parametrize("rows,n", [(1, 64), (13, 100), (64, 576)])
+def test_rms_norm_and_add_rms_norm(rows, n):
+    gen = _gen(rows)
+    dtype = DTYPES[-1]
+    tol = 2 * ATTN_TOL[dtype]  # one output rounding of values ~ +-4
+    x, delta = _randn(gen, rows, n, dtype=dtype), _randn(gen, rows, n, dtype=dtype)
+    w = (torch.rand(n, generator=gen) + 0.5).to(DEVICE)
+    out = torch.empty_like(x)
+    triton_ops.rms_norm(out, x, w, 1e-5)
+    assert max_abs(out.cpu(), _norm64(x.cpu(), w.cpu(), 1e-5)) <= tol
+    h = x.clone()
+    triton_ops.add_rms_norm(h, delta, w, 1e-5, out)
+    assert torch.equal(h, x + delta)  # rounded as torch's add_ rounds
+    assert max_abs(out.cpu(), _norm64(h.cpu(), w.cpu(), 1e-5)) <= tol
+
+
+@pytest.mark.parametrize("hq,hkv,hd", [(4, 2, 24), (4, 4, 64), (8, 1, 128)])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_qkv(hq, hkv, hd, qk_norm):
+    gen = _gen(hd)
+    dtype, n, off = DTYPES[-1], 19, 3
+    qkv = _randn(gen, n, (hq + 2 * hkv) * hd, dtype=dtype)
+    ang = torch.rand(n, hd // 2, generator=gen) * 50
+    cos, sin = ang.cos().to(DEVICE), ang.sin().to(DEVICE)
+    norms = ((torch.rand(hd, generator=gen) + 0.5).to(DEVICE), (torch.rand(hd, generator=gen) + 0.5).to(DEVICE), 1e-6)
+    q_dst = torch.zeros(hq, n, hd, dtype=dtype, device=DEVICE)
+    k_buf = torch.zeros(hkv, n + 2 * off, hd, dtype=dtype, device=DEVICE)  # a segment in the middle of a buffer
+    v_buf = torch.zeros_like(k_buf)
+    triton_ops.rope_qkv(q_dst, k_buf[:, off : off + n], v_buf[:, off : off + n], qkv, cos, sin, hq, hkv,
+                        norms if qk_norm else None)
+
+    def rotated(x, w):  # x [n, H, hd] -> [H, n, hd] float64
+        x = x.cpu().double()
+        if w is not None:
+            x = _norm64(x, w.cpu(), 1e-6)
+        a, b = x[..., : hd // 2], x[..., hd // 2 :]
+        c, s = cos.cpu().double()[:, None], sin.cpu().double()[:, None]
+        return torch.cat([a * c - b * s, b * c + a * s], -1).transpose(0, 1)
+
+    q = qkv[:, : hq * hd].view(n, hq, hd)
+    k = qkv[:, hq * hd : (hq + hkv) * hd].view(n, hkv, hd)
+    v = qkv[:, (hq + hkv) * hd :].view(n, hkv, hd)
+    tol = 3 * ATTN_TOL[dtype] if qk_norm else 2 * ATTN_TOL[dtype]
+    assert max_abs(q_dst.cpu(), rotated(q, norms[0] if qk_norm else None)) <= tol
+    assert max_abs(k_buf[:, off : off + n].cpu(), rotated(k, norms[1] if qk_norm else None)) <= tol
+    assert torch.equal(v_buf[:, off : off + n], v.transpose(0, 1))
+    assert not k_buf[:, :off].any() and not k_buf[:, off + n :].any()  # nothing written outside the segment
+
+
+@pytest.mark.parametrize("rows,f", [(1, 16), (9, 37), (5, 1500)])
+def test_swiglu(rows, f):
+    gen = _gen(f)
+    dtype = DTYPES[-1]
+    gu = _randn(gen, rows, 2 * f, dtype=dtype)
+    before = gu.clone()
+    out = torch.empty(rows, f, dtype=dtype, device=DEVICE)
+    triton_ops.swiglu(out, gu)
+    want = torch.nn.functional.silu(gu[:, :f].cpu().double()) * gu[:, f:].cpu().double()
+    assert max_abs(out.cpu(), want) <= 2 * ATTN_TOL[dtype]
+    assert torch.equal(gu, before)
+
+
+# -- the executor on the Triton path ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    out = {}
+    for name, (cls, kwargs) in FAMILY_CONFIGS.items():
+        folder = tmp_path_factory.mktemp(name)
+        make_random_model(cls, kwargs).save_pretrained(folder)
+        out[name] = str(folder)
+    return out
+
+
+def _executor(folder, dtype, backend="triton"):
+    spec = ModelSpec.from_folder(folder)
+    return HybridPrefillExecutor(spec, ModelWeights.load(folder, spec, dtype, DEVICE), dtype, DEVICE, backend)
+
+
+def _ids(gen, vocab, n):
+    return torch.randint(0, vocab, (n,), generator=gen)
+
+
+def test_backend_resolution():
+    assert resolve_backend("triton", DEVICE) == "triton"
+    if DEVICE.type == "cuda":
+        assert resolve_backend("auto", DEVICE) == "triton"
+    assert triton_covers("triton", DEVICE, torch.float16, 64)
+    assert not triton_covers("triton", DEVICE, torch.float32, 64)  # float32 runs on the torch ops
+    assert not triton_covers("triton", DEVICE, torch.float16, 24)  # not a power of two: SDPA
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_executor_within_transformers_own_error(family, folders):
+    """Our forward on the Triton path (every family; Qwen3's head_dim 24 attends on SDPA but
+    norms and rotates in the fused kernel) against transformers in float64, no worse than
+    transformers' own forward in the same dtype."""
+    dtype = DTYPES[-1]
+    ex = _executor(folders[family], dtype)
+    ref64, ref_low = load_hf(folders[family], torch.float64), load_hf(folders[family], dtype)
+    if DEVICE.type == "cuda":
+        ref_low = ref_low.to(DEVICE)
+    gen = _gen(len(family))
+    ours_err = hf_err = 0.0
+    for n, chunks in ((1, (None,)), (17, (7, None)), (130, (None,))):  # few launches: the interpreter is slow
+        ids = _ids(gen, ex.spec.vocab_size, n)
+        want = hf_logprobs(ref64, ids.tolist())
+        hf_err = max(hf_err, max_abs(_hf_low(ref_low, ids), want))
+        for chunk in chunks:
+            got = ex.forward(ids, chunk).logits.double().log_softmax(-1).cpu()
+            ours_err = max(ours_err, max_abs(got, want))
+    assert ours_err <= 1.5 * hf_err + 1e-3, f"{family}: ours {ours_err:.4f} vs transformers {hf_err:.4f}"
+
+
+@torch.inference_mode()
+def _hf_low(model, ids):
+    out = model(ids[None].to(next(model.parameters()).device), logits_to_keep=1, use_cache=False)
+    return out.logits[0, -1].double().log_softmax(-1).cpu()
+
+
+def test_executor_triton_equals_torch_path(folders):
+    """Same weights, same dtype: the Triton path against the torch ops (PREFILLONLY_TRITON_KERNELS=0)."""
+    ex = _executor(folders["llama_gqa_llama3rope_untied"], DTYPES[-1])
+    ids = _ids(_gen(9), ex.spec.vocab_size, 150)
+    fast = ex.forward(ids, 64).logits.double().log_softmax(-1)
+    os.environ["PREFILLONLY_TRITON_KERNELS"] = "0"
+    try:
+        slow = _executor(folders["llama_gqa_llama3rope_untied"], DTYPES[-1], "sdpa").forward(ids, 64).logits.double().log_softmax(-1)
+    finally:
+        del os.environ["PREFILLONLY_TRITON_KERNELS"]
+    assert max_abs(fast, slow) <= 0.05
+
+
+def test_warm_requests_read_the_pool_in_place_batched(folders):
+    """Prefixes cached in a real PrefixCache: a batch of warm requests whose attention reads the
+    pool's blocks in place (no load) equals each prompt computed whole, and so does a request
+    whose prefix is a captured PrefixKV (loaded) in the same batch."""
+    folder = folders["llama_gqa_llama3rope_untied"]
+    ex = _executor(folder, DTYPES[-1])
+    spec, gen = ex.spec, _gen(11)
+    cache = PrefixCache(spec, DTYPES[-1], DEVICE, block_size=16, budget_bytes=64 << 20)
+    prompts = [_ids(gen, spec.vocab_size, n) for n in (50, 33, 70)]
+    for ids in prompts:  # cold: computes and keeps every whole block
+        t = cache.begin(cache.hashes(ids.tolist(), None), len(ids), len(ids))
+        ex.forward(ids, None, prefix=t.source, sink=t.sink)
+        cache.commit(t)
+    loads = []
+    seqs, wholes, tickets = [], [], []
+    for ids in prompts:
+        longer = torch.cat([ids, _ids(gen, spec.vocab_size, 11)])
+        t = cache.begin(cache.hashes(longer.tolist(), None), len(longer), 0)
+        assert t.cached_tokens == (len(ids) // 16) * 16 and t.source.paged() is not None
+        t.source.load = lambda *a, _l=loads: _l.append(a)  # must not be called: read in place
+        tickets.append(t)
+        seqs.append(Sequence(longer[t.cached_tokens :], prefix=t.source))
+        wholes.append(ex.forward(longer, None).logits.double().log_softmax(-1))
+    shared = _ids(gen, spec.vocab_size, 20)
+    captured = ex.forward(shared, None, capture=(0, 20)).captured
+    tail = _ids(gen, spec.vocab_size, 5)
+    seqs.append(Sequence(tail, prefix=captured))
+    wholes.append(ex.forward(torch.cat([shared, tail]), None).logits.double().log_softmax(-1))
+    out = ex.forward_batch(ForwardBatch(seqs), 24).logits.double().log_softmax(-1)
+    assert not loads
+    for i, whole in enumerate(wholes):
+        assert max_abs(out[i], whole) <= 0.05, i
+    for t in tickets:
+        cache.commit(t)
