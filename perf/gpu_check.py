@@ -478,7 +478,7 @@ def measure_warm_requests(report: Report, plan: Plan, matmul_rate: float | None)
 def tune_attention_tiles(report: Report, plan: Plan) -> None:
     """Pick the Triton attention's tiles for this GPU on an 8K-token 8B-shape prompt, before
     anything is timed (the choice is cached on disk; see kernels/triton_tuning.py)."""
-    if "triton" not in backends(plan.device):
+    if "triton" not in backends(plan.device) or plan.device.type != "cuda":
         return
     from prefillonly.kernels.triton_attention import BatchLayout, prefill_attention
     from prefillonly.kernels.triton_tuning import tune_attention
