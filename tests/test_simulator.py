@@ -168,6 +168,45 @@ def test_routing_is_stable_and_spreads_users():
     assert sim.engine_of(7, 1) == 0
 
 
+def test_ring_hash_bounded_is_sticky_below_the_bound_and_spills_above_it():
+    import numpy as np
+
+    r = sim.Router("ring_hash_bounded", 8, np.random.default_rng(0), factor=1.5)
+    idle = [0] * 8
+    home = {u: r.route(u, idle) for u in range(200)}
+    assert all(r.route(u, idle) == home[u] for u in range(200))  # same user, same engine
+    assert len(set(home.values())) == 8  # and the users spread over every engine
+    hot = home[0]
+    loads = [1] * 8
+    loads[hot] = 3  # bound: ceil(1.5 * (10 + 1) / 8) = 3, and 3 + 1 > 3: overloaded
+    moved = r.route(0, loads)
+    assert moved != hot and loads[moved] + 1 <= 3
+    loads[hot] = 1  # bound ceil(1.5 * 9 / 8) = 2, and 1 + 1 <= 2
+    assert r.route(0, loads) == hot  # back under the bound: home again
+
+
+def test_least_request_takes_the_less_loaded_of_two():
+    import numpy as np
+
+    r = sim.Router("least_request", 2, np.random.default_rng(0))
+    assert {r.route(u, [5, 0]) for u in range(50)} == {1}
+    with pytest.raises(ValueError, match="routing"):
+        sim.Router("sticky", 2, np.random.default_rng(0))
+
+
+def test_fleet_routing_affinity_keeps_the_hits_random_loses_them():
+    out = sim.run_fleet(engines=8, users=200, posts_per_user=4, cache_gib=4, load=0.8, block_size=256, profile_mean=4000)
+    by = {r["routing"]: r for r in out["runs"]}
+    assert set(by) == set(sim.FLEET_ROUTINGS)
+    for r in by.values():
+        assert r["completed"] == out["requests"] and r["rejected"] == 0
+    assert by["ring_hash_bounded"]["hit_rate"] > 2 * by["random"]["hit_rate"]
+    assert by["ring_hash_bounded"]["hit_rate"] > 2 * by["least_request"]["hit_rate"]
+    assert by["ring_hash_bounded"]["users_split"] < by["random"]["users_split"]
+    assert all(r["load_imbalance"] >= 1.0 for r in by.values())
+    assert "| ring_hash_bounded |" in sim.render_fleet(out, "python perf/simulate.py --fleet", "2026-12-01", "cpu")
+
+
 def test_saturated_qps_scales_with_engines():
     work = sim.post_rec_workload(SMALL_POST_REC, seed=0)
     cost = sim.gpu_cost_model()

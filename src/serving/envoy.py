@@ -113,6 +113,8 @@ class FrontDoor:
     affinity_lb: str = "RING_HASH"  # or MAGLEV
     hash_balance_factor: int = DEFAULT_HASH_BALANCE_FACTOR  # >= 100 (percent of the mean load)
     retries: int = DEFAULT_RETRIES  # per request, each on another replica
+    fleet: bool | None = None  # route as a fleet; None: when there is more than one upstream (a DNS
+    # name of a headless Service is one upstream but resolves to many replicas: say fleet=True)
 
     def __post_init__(self):
         if self.routing not in ROUTINGS:
@@ -256,7 +258,8 @@ def _clusters(prefix: str, front: FrontDoor, grpc: bool) -> list[dict]:
     fallback = {"affinity": "LEAST_REQUEST", "least_request": "LEAST_REQUEST", "round_robin": "ROUND_ROBIN",
                 "random": "RANDOM"}[front.routing]
     out = []
-    if front.routing == "affinity" and len(front.upstreams) > 1:  # one replica: nothing to choose
+    fleet = front.fleet if front.fleet is not None else len(front.upstreams) > 1
+    if front.routing == "affinity" and fleet:  # one replica: nothing to choose
         out.append(cluster_config(f"{prefix}_affinity", front.upstreams, grpc=grpc, front=front, lb_policy=front.affinity_lb))
     out.append(cluster_config(prefix, front.upstreams, grpc=grpc, front=front, lb_policy=fallback))
     return out
