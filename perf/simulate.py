@@ -47,6 +47,7 @@ Writes the "## Scheduler simulation (issue 4)" section of perf/RESULTS.md, a plo
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 import bisect
 import dataclasses
 import hashlib
@@ -775,7 +776,8 @@ def run_fleet(engines: int = 64, users: int = 20_000, posts_per_user: int = 4, c
         res = simulate(reqs, cost, SimConfig(policy="csjf", engines=engines, cache_blocks=blocks, seed=seed, routing=routing), block_size)
         out = res.summary(load * sat)
         out["routing"] = routing
-        out["users_split"] = sum(1 for u in {r.user for r in reqs} if len([e for e in res.engines if u in e["users"]]) > 1) / users
+        engines_per_user = Counter(u for e in res.engines for u in e["users"])
+        out["users_split"] = sum(1 for n in engines_per_user.values() if n > 1) / users
         runs.append(out)
         bu.log(f"  {routing}: mean {out['mean_latency_s']:.3g} s, P99 {out['p99_latency_s']:.3g} s, hit {out['hit_rate']:.1%}, "
                f"imbalance {out['load_imbalance']:.2f} [{out['sim_wall_s']:.0f} s]")
