@@ -97,12 +97,7 @@ class PrefillOnlyClient:
 
         if self._grpc is None:
             self._grpc = grpcclient.InferenceServerClient(self.url)
-        inputs = []
-        for name, value in fields.items():
-            arr = _as_array(value)
-            t = grpcclient.InferInput(name, list(arr.shape), _triton_type(arr))
-            t.set_data_from_numpy(arr)
-            inputs.append(t)
+        inputs = _infer_inputs(grpcclient, fields)
         answers: queue.Queue = queue.Queue()
         self._grpc.start_stream(callback=lambda result, error: answers.put((result, error)), headers=_routing_headers(fields) or None)
         try:
@@ -114,7 +109,6 @@ class PrefillOnlyClient:
             raise PrefillOnlyClientError(str(error))
         return [json.loads(d) for d in result.as_numpy("result_json")]
 
-
     def _call_infer(self, fields: dict) -> list[dict]:
         import tritonclient.http as httpclient
         from tritonclient.utils import InferenceServerException
@@ -122,13 +116,7 @@ class PrefillOnlyClient:
         client = httpclient.InferenceServerClient(self.url.split("://", 1)[-1], network_timeout=self.timeout_s,
                                                   connection_timeout=self.timeout_s)
         try:
-            inputs = []
-            for name, value in fields.items():
-                arr = _as_array(value)
-                t = httpclient.InferInput(name, list(arr.shape), _triton_type(arr))
-                t.set_data_from_numpy(arr)
-                inputs.append(t)
-            result = client.infer(f"{self.model}_sync", inputs, headers=_routing_headers(fields) or None)
+            result = client.infer(f"{self.model}_sync", _infer_inputs(httpclient, fields), headers=_routing_headers(fields) or None)
         except InferenceServerException as e:
             raise PrefillOnlyClientError(e.message()) from None
         finally:
@@ -162,6 +150,17 @@ def _request(prompt, allowed, items=None, item_template=None, top_k=None, cache_
     if apply_chat_template is not None:
         fields["apply_chat_template"] = np.asarray([bool(apply_chat_template)])
     return fields
+
+
+def _infer_inputs(module, fields: dict) -> list:
+    """The request's fields as tritonclient InferInputs of `module` (tritonclient.grpc or .http)."""
+    inputs = []
+    for name, value in fields.items():
+        arr = _as_array(value)
+        t = module.InferInput(name, list(arr.shape), _triton_type(arr))
+        t.set_data_from_numpy(arr)
+        inputs.append(t)
+    return inputs
 
 
 def _routing_headers(fields: dict) -> dict:
