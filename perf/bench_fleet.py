@@ -13,7 +13,8 @@ cache large enough for every profile):
    throughput = requests / makespan.
 3. Open-loop Poisson load at 0.8x that rate, the same arrivals for each routing policy in turn
    (Envoy restarted with that policy's config in between): affinity (ring hash on
-   x-prefillonly-user, bounded load), least request, round robin; throughput, mean / P99
+   x-prefillonly-user, bounded load 1.5x the mean: the default), affinity with a 3x bound,
+   least request, round robin; throughput, mean / P99
    latency, the fleet's hit rate (cached tokens / prompt tokens as the replicas report them) and
    requests per replica. Each run uses its own cache namespaces (the `user` field), so no run
    finds another's profiles cached.
@@ -46,7 +47,9 @@ from prefillonly.serving.testing import copy_model_repository
 SECTION = "## Fleet behind Envoy (issue 13)"
 REPO = bu.REPO_ROOT / "model_repository"
 OUT = bu.PERF_DIR / "results" / "fleet"
-POLICIES = ("affinity", "least_request", "round_robin")
+# (label, routing, hash_balance_factor): the default affinity config first, then a looser bound
+POLICIES = (("affinity", "affinity", 150), ("affinity, bound 3x", "affinity", 300), ("least_request", "least_request", 150),
+            ("round_robin", "round_robin", 150))
 REPLICAS = 3
 
 
@@ -74,9 +77,9 @@ class FleetBackend:
         return {"prompt_tokens": doc["prompt_tokens"], "cached_tokens": doc["cached_tokens"], "logprobs": None}
 
 
-def _front(fleet: LocalFleet, routing: str) -> FrontDoor:
+def _front(fleet: LocalFleet, routing: str, factor: int) -> FrontDoor:
     return FrontDoor([Upstream("127.0.0.1", r.http_port, r.grpc_port) for r in fleet.replicas], routing=routing,
-                     http_port=0, grpc_port=0)
+                     hash_balance_factor=factor, http_port=0, grpc_port=0)
 
 
 def _paired(n: int, call_direct, call_envoy) -> dict:
@@ -157,13 +160,13 @@ def main(argv=None) -> int:
             sat = run(FleetBackend(fleet.http_url, "sat", True), trace, "saturation (affinity, all at once)", None, a.seed)
             qps = a.load * sat["throughput_rps"]
             runs = []
-            for k, routing in enumerate(POLICIES):
-                if routing != "affinity":  # the same replicas, Envoy reconfigured
+            for k, (label, routing, factor) in enumerate(POLICIES):
+                if k:  # the same replicas, Envoy reconfigured
                     fleet.proxy.stop()
-                    fleet.proxy = EnvoyProxy(_front(fleet, routing)).start().wait_ready()
+                    fleet.proxy = EnvoyProxy(_front(fleet, routing, factor)).start().wait_ready()
                 backend = FleetBackend(fleet.http_url, f"run{k}", header=routing == "affinity")
-                s = run(backend, trace, routing, qps, a.seed)
-                s["routing"] = routing
+                s = run(backend, trace, label, qps, a.seed)
+                s["routing"], s["hash_balance_factor"] = label, factor
                 runs.append(s)
             single = run(FleetBackend(fleet.replicas[0].http_url, "single", False), trace, "one engine (direct)",
                          qps / REPLICAS, a.seed)

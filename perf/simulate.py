@@ -786,8 +786,8 @@ def run_fleet(engines: int = 64, users: int = 20_000, posts_per_user: int = 4, c
             "ideal_hit_rate": 1 - perfect_cache_tokens(work) / work.prompt_tokens, "runs": runs}
 
 
-def render_fleet(data: dict, command: str, date: str, machine: str) -> str:
-    lines = [f"Command: `{command}` ({date}; {machine}). {data['users']:,} users x {data['posts_per_user']} posts "
+def render_fleet(data: dict) -> str:
+    lines = [f"Command: `{data['command']}` ({data['date']}; {bu.machine_line(data['machine'])}). {data['users']:,} users x {data['posts_per_user']} posts "
              f"({data['requests']:,} requests), {data['engines']} engines ({data['cost_formula']}), "
              f"{data['cache_gib']:g} GiB prefix cache each, Poisson users at {data['load']:g}x the fleet's saturated "
              f"{data['saturated_qps']:.3g} req/s; hit rate with a perfect cache {data['ideal_hit_rate']:.1%}.", "",
@@ -817,10 +817,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.fleet:
         data = run_fleet(engines=a.fleet_engines, users=a.fleet_users, seed=a.seed, mfu=a.mfu)
+        data.update(command=bu.command_line(), date=bu.now_iso(), machine=bu.machine_info(1))
         if not a.no_write:
             bu.save_json(bu.PERF_DIR / "results" / "simulate_fleet.json", data)
-            bu.replace_section(bu.PERF_DIR / "RESULTS.md", FLEET_SECTION,
-                               render_fleet(data, bu.command_line(), bu.now_iso(), bu.machine_info(1)))
+            bu.replace_section(bu.PERF_DIR / "RESULTS.md", FLEET_SECTION, render_fleet(data))
         return 0
 
     loads = a.loads or ([0.25, 0.9, 2.0, 4.0] if a.quick else list(DEFAULT_LOADS))

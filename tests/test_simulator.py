@@ -204,7 +204,9 @@ def test_fleet_routing_affinity_keeps_the_hits_random_loses_them():
     assert by["ring_hash_bounded"]["hit_rate"] > 2 * by["least_request"]["hit_rate"]
     assert by["ring_hash_bounded"]["users_split"] < by["random"]["users_split"]
     assert all(r["load_imbalance"] >= 1.0 for r in by.values())
-    assert "| ring_hash_bounded |" in sim.render_fleet(out, "python perf/simulate.py --fleet", "2026-12-01", "cpu")
+    out.update(command="python perf/simulate.py --fleet", date="2026-12-01",
+               machine=dict(cpu="cpu", cores=2, memory_gib=1, torch="2", threads=1, python="3"))
+    assert "| ring_hash_bounded |" in sim.render_fleet(out)
 
 
 def test_saturated_qps_scales_with_engines():

@@ -225,19 +225,6 @@ def cluster_config(name: str, upstreams: list[Upstream], *, grpc: bool, front: F
             "max_retries": _CIRCUIT_BREAKER_LIMIT}]},
         "common_lb_config": common_lb,
         "health_checks": [_health_check(front, grpc)],
-        # a replica whose connections fail 3 times in a row is ejected for 10 s (doubling while it
-        # keeps failing), at most 2/3 of the fleet; Triton's answers (4xx/5xx) never eject
-        "outlier_detection": {
-            "split_external_local_origin_errors": True,
-            "consecutive_local_origin_failure": 3,
-            "enforcing_consecutive_local_origin_failure": 100,
-            "enforcing_consecutive_5xx": 0,
-            "enforcing_consecutive_gateway_failure": 0,
-            "enforcing_success_rate": 0,
-            "interval": "1s",
-            "base_ejection_time": "10s",
-            "max_ejection_percent": 67,
-        },
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
@@ -246,10 +233,32 @@ def cluster_config(name: str, upstreams: list[Upstream], *, grpc: bool, front: F
             }
         },
     }
+    if _is_fleet(front):
+        out["outlier_detection"] = _OUTLIER_DETECTION
     if out["type"] == "STRICT_DNS":
         # "localhost" resolves to ::1 first on most hosts, while Triton usually binds 127.0.0.1
         out["dns_lookup_family"] = "V4_PREFERRED"
     return out
+
+
+# a replica whose connections fail 3 times in a row is ejected for 10 s (doubling while it keeps
+# failing), at most 2/3 of the fleet; Triton's answers (4xx/5xx) never eject. Fleets only: a lone
+# replica that is restarting would stay ejected after it is back, refusing everyone meanwhile.
+_OUTLIER_DETECTION = {
+    "split_external_local_origin_errors": True,
+    "consecutive_local_origin_failure": 3,
+    "enforcing_consecutive_local_origin_failure": 100,
+    "enforcing_consecutive_5xx": 0,
+    "enforcing_consecutive_gateway_failure": 0,
+    "enforcing_success_rate": 0,
+    "interval": "1s",
+    "base_ejection_time": "10s",
+    "max_ejection_percent": 67,
+}
+
+
+def _is_fleet(front: FrontDoor) -> bool:
+    return front.fleet if front.fleet is not None else len(front.upstreams) > 1
 
 
 def _clusters(prefix: str, front: FrontDoor, grpc: bool) -> list[dict]:
@@ -258,8 +267,7 @@ def _clusters(prefix: str, front: FrontDoor, grpc: bool) -> list[dict]:
     fallback = {"affinity": "LEAST_REQUEST", "least_request": "LEAST_REQUEST", "round_robin": "ROUND_ROBIN",
                 "random": "RANDOM"}[front.routing]
     out = []
-    fleet = front.fleet if front.fleet is not None else len(front.upstreams) > 1
-    if front.routing == "affinity" and fleet:  # one replica: nothing to choose
+    if front.routing == "affinity" and _is_fleet(front):  # one replica: nothing to choose
         out.append(cluster_config(f"{prefix}_affinity", front.upstreams, grpc=grpc, front=front, lb_policy=front.affinity_lb))
     out.append(cluster_config(prefix, front.upstreams, grpc=grpc, front=front, lb_policy=fallback))
     return out
