@@ -30,7 +30,7 @@ def rms_norm_needs_scratch(device: torch.device, dtype: torch.dtype, qk_norm: bo
     Triton path norms them inside rope_qkv_into). The workspace leaves the scratch out otherwise,
     so the memory prediction counts no buffer that is never touched."""
     probe = torch.empty(0, device=device, dtype=dtype)
-    if triton_support.applies(probe) and compiled_ops(probe) is None:
+    if _triton_ops(probe) is not None:
         return False
     return qk_norm or compiled_ops(probe) is None
 
@@ -41,10 +41,18 @@ def rope_table_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if compiled_ops(probe) is not None or triton_support.applies(probe) else dtype
 
 
+def _triton_ops(t: torch.Tensor):
+    """triton_ops when its kernels take tensors like `t` and no compiled CPU kernel does (those
+    keep precedence), else None: the one rule every wrapper below follows."""
+    if compiled_ops(t) is None and triton_support.applies(t):
+        return triton_support.ops_module()
+    return None
+
+
 def _triton_rows(*ts: torch.Tensor):
     """triton_ops when its kernels take these 2-d row tensors, else None."""
-    if triton_support.applies(ts[0]) and compiled_ops(ts[0]) is None and all(t.dim() == 2 and t.stride(-1) == 1 for t in ts):
-        return triton_support.ops_module()
+    if all(t.dim() == 2 and t.stride(-1) == 1 for t in ts):
+        return _triton_ops(ts[0])
     return None
 
 
@@ -120,8 +128,9 @@ def rope_qkv_into(q_dst: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor,
     q_dst [heads, n, hd] and k_dst [kv_heads, n, hd] rotated, v_dst copied. qk_norm =
     (q weight32, k weight32, eps): Qwen3's per-head RMSNorm of q and k first (on the torch path
     in place in qkv, through scratch32 [n, >= heads * hd] float32). One pass on the Triton path."""
-    if triton_support.applies(qkv) and compiled_ops(qkv) is None and cos.dtype == torch.float32:
-        triton_support.ops_module().rope_qkv(q_dst, k_dst, v_dst, qkv, cos, sin, heads, kv_heads, qk_norm)
+    fused = _triton_ops(qkv)
+    if fused is not None and cos.dtype == torch.float32:
+        fused.rope_qkv(q_dst, k_dst, v_dst, qkv, cos, sin, heads, kv_heads, qk_norm)
         return
     n, hd = qkv.shape[0], q_dst.shape[-1]
     qw, kw = heads * hd, kv_heads * hd

@@ -58,8 +58,8 @@ class LocalFleet:
             for r in self.replicas:
                 r.wait_ready(self.ready_timeout)
             upstreams = [Upstream("127.0.0.1", r.http_port, r.grpc_port) for r in self.replicas]
-            front = FrontDoor(upstreams, routing=self.routing, http_port=self.front_options.pop("http_port", 0),
-                              grpc_port=self.front_options.pop("grpc_port", 0), **self.front_options)
+            # free ports unless the caller chose them
+            front = FrontDoor(upstreams, routing=self.routing, **{"http_port": 0, "grpc_port": 0, **self.front_options})
             self.proxy = EnvoyProxy(front, log_path=self._log("envoy")).start().wait_ready()
             return self
         except BaseException:
