@@ -3,8 +3,8 @@ SDPA (the engine's previous path: one causal call for whole prompts; for cached-
 two flash calls merged by log-sum-exp), side by side in one process, interleaved, and against the
 same run's matmul rate.
 
-    .venv/bin/python perf/bench_attention.py [--seconds 0.4] [--rounds 5] [--threads 2]
-    .venv/bin/python perf/bench_attention.py --end-to-end [--dtype float32] [--reps 2]
+    .venv/bin/python -m perf.bench_attention [--seconds 0.4] [--rounds 5] [--threads 2]
+    .venv/bin/python -m perf.bench_attention --end-to-end [--dtype float32] [--reps 2]
 
 --end-to-end instead replays perf/eval.py's two offline traces (cpu scale) through our whole
 engine with the kernel and with SDPA, each run in a fresh process, interleaved (section "Attention
@@ -25,8 +25,8 @@ import time
 
 import torch
 
-import bench_core
-import benchutil as bu
+from perf import bench_core
+from perf import benchutil as bu
 
 SHAPES = [("causal", 2048, 0), ("causal", 4096, 0), ("causal", 8192, 0),
           ("suffix", 150, 2048), ("suffix", 150, 16384), ("suffix", 2048, 2048), ("suffix", 2048, 16384)]
@@ -113,7 +113,7 @@ def render(data: dict) -> str:
 
 def end_to_end(args) -> dict:
     """Both offline traces through our engine, cpu_flash vs sdpa, fresh processes, interleaved."""
-    import eval as ev  # perf/eval.py: its traces and its fresh-process offline runner
+    from perf import eval as ev  # perf/eval.py: its traces and its fresh-process offline runner
 
     args.scale, args.quick = "cpu", False
     runs = []
@@ -150,7 +150,7 @@ def render_end_to_end(data: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="perf/bench_attention.py")
+    p = argparse.ArgumentParser(prog="python -m perf.bench_attention")
     p.add_argument("--seconds", type=float, default=0.4, help="timing window per measurement")
     p.add_argument("--rounds", type=int, default=5, help="interleaved windows per system and shape")
     p.add_argument("--threads", type=int, default=2)
@@ -174,14 +174,14 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-PREDICTION = """Prediction, written before the kernel was built: per 8 query rows x 1 key the two products
+PREDICTION = """Prediction, from instruction counts: per 8 query rows x 1 key the two products
 cost 2 x head_dim FMA instructions (128 at head_dim 64) and the softmax about 20 vector operations
 when the exponential is a degree-5 polynomial (torch's exact exponential costs several times
 that), so the kernel should be FMA-bound at ~85% of the fp32 FMA peak: on an AVX2 host about 80%
 of the same run's fp32 matmul rate and >= 1.3x torch SDPA; on AVX-512 hosts the same fp32-FMA path
 can reach at most about half of the bf16 matmul rate (whose AVX512-BF16 dot products do twice the
 work per instruction), so the >= 60%-of-bf16-matmul target there needs an AVX512-BF16
-dot-product variant of the products (not built yet: no such host to test it on)."""
+dot-product variant of the products (not built: no AVX-512 host to test it on)."""
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@ max_batch_tokens sweep that picks the CPU default.
 
 From the repository root, with the project's venv:
 
-    .venv/bin/python perf/bench_batching.py                    # all three parts (~25 min on 2 quiet cores)
-    .venv/bin/python perf/bench_batching.py --parts step       # in-process step timings only (~2 min)
-    .venv/bin/python perf/bench_batching.py --quick            # smoke test (tiny traces; perf/out/, not the results)
+    .venv/bin/python -m perf.bench_batching                    # all three parts (~25 min on 2 quiet cores)
+    .venv/bin/python -m perf.bench_batching --parts step       # in-process step timings only (~2 min)
+    .venv/bin/python -m perf.bench_batching --quick            # smoke test (tiny traces; perf/out/, not the results)
 
 Parts (float32 by default: on hosts without native bf16 matmuls, e.g. AVX2-only, bf16 measures
 torch's slow bf16 matmul, not batching; --dtype bfloat16 where the CPU has AVX512-BF16/AMX):
@@ -29,8 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-import benchutil as bu
-import eval as ev  # perf/eval.py: its traces, fresh-process offline runner and Triton load level
+from perf import benchutil as bu
+from perf import eval as ev  # perf/eval.py: its traces, fresh-process offline runner and Triton load level
 
 SECTION = "## Batched prefill"
 BUDGETS = (1, 512, 2048, 8192)
@@ -168,7 +168,7 @@ def render(args) -> str:
                   "tritonserver with `model_repository/prefillonly` (dtype and max_batch_tokens set), gRPC streaming, "
                   "a fresh server per budget (perf/eval.py's load level).", "",
                   bu.markdown_table(["max_batch_tokens", "answered", "errors", "throughput req/s", "mean latency s", "P50 s", "P99 latency s"], rows), ""]
-    body = "\n".join(lines) if lines else "No results yet: run `python perf/bench_batching.py`."
+    body = "\n".join(lines) if lines else "No results yet: run `python -m perf.bench_batching`."
     target = (bu.PERF_DIR / "out" / "batching-quick" / "RESULTS.md") if args.quick else (bu.PERF_DIR / "RESULTS.md")
     bu.replace_section(target, SECTION, body)
     bu.log(f"wrote the {SECTION!r} section of {target}")

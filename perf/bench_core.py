@@ -2,8 +2,8 @@
 
 Run from the repository root with the project's venv:
 
-    .venv/bin/python perf/bench_core.py             # full run: tens of minutes on 2 cores
-    .venv/bin/python perf/bench_core.py --quick     # smoke test of this script (a few minutes)
+    .venv/bin/python -m perf.bench_core             # full run: tens of minutes on 2 cores
+    .venv/bin/python -m perf.bench_core --quick     # smoke test of this script (a few minutes)
 
 Options: --threads N (default 2), --skip-speed, --skip-memory, --reps, --budget-gib,
 --peak-timeout. A full run writes the "## Engine core (issue 2)" section of perf/RESULTS.md
@@ -12,7 +12,7 @@ perf/results/core.png. A run with --skip-* keeps the stored results of the part 
 --quick writes the same files under perf/out/quick/ (git-ignored) so it never overwrites
 real results.
 
-What is measured (DESIGN.md §8, §10):
+What is measured (docs/design.md §7, §10):
   1. torch matmul rate, fp32 and bf16, on shapes of the model and 2048^3; the max bf16 rate is
      "the machine's bf16 matmul rate" (the harder denominator).
   2. Cold prefill tokens/s at 512/2K/8K tokens, ours (executor.forward alone) and transformers
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-import benchutil as bu
+from perf import benchutil as bu
 
 SECTION = "## Engine core (issue 2)"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -78,16 +78,6 @@ def transformers_forward(model, ids: torch.Tensor) -> torch.Tensor:
 
 def ours_forward(engine, ids: torch.Tensor) -> torch.Tensor:
     return engine.executor.forward(ids, engine.config.chunk_size).logits
-
-
-def model_flops(spec, s: int) -> int:
-    """DESIGN.md §10 with no cached prefix: 2·N·S + 2·L·d·S² (causal attention) + the last-row lm_head."""
-    attention_width = spec.num_heads * spec.head_dim
-    return (
-        2 * spec.non_embedding_params() * s
-        + 2 * spec.num_layers * attention_width * s * s
-        + 2 * spec.hidden_size * spec.vocab_size
-    )
 
 
 def default_model_spec():
@@ -145,11 +135,6 @@ def timed(fn, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
     return time.perf_counter() - t0, logits
 
 
-def max_logprob_gap(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Sanity check that both systems computed the same thing (not a test: a fast wrong path shows here)."""
-    return float((torch.log_softmax(a.float(), -1) - torch.log_softmax(b.float(), -1)).abs().max())
-
-
 def measure_prefill(lengths: list[int], reps: int, threads: int, matmul_peak: dict) -> list[dict]:
     from prefillonly import Engine, EngineConfig
 
@@ -173,8 +158,10 @@ def measure_prefill(lengths: list[int], reps: int, threads: int, matmul_peak: di
                 for name in order:
                     seconds, logits[name] = timed(systems[name], ids)
                     times[name].append(seconds)
-                gap = max_logprob_gap(logits["ours"], logits["transformers"])
-            rows.append(prefill_row(dtype_name, s, times, gap, model_flops(engine.spec, s), matmul_peak[dtype_name]))
+                # sanity check that both computed the same thing (not a test: a fast wrong path shows here)
+                logprobs = {name: torch.log_softmax(out.float(), -1).tolist() for name, out in logits.items()}
+                gap = bu.max_logprob_gap(logprobs["ours"], logprobs["transformers"])
+            rows.append(prefill_row(dtype_name, s, times, gap, engine.spec.flops(s), matmul_peak[dtype_name]))
             r = rows[-1]
             bu.log(
                 f"prefill {dtype_name} {s:>5} tokens: ours {r['ours_tok_s']:.0f} tok/s ({r['ours_fraction']:.0%} of matmul rate), "
@@ -212,7 +199,7 @@ def run_peak_subprocess(system: str, length: int, threads: int, timeout_s: int) 
 
 def run_memory_probe(system: str, tokens: int, threads: int, timeout_s: float, chunk: int, dtype: str = "bfloat16",
                      inplace: bool = False, random_config: dict | None = None) -> dict:
-    """`python -m prefillonly.memory_probe` in a fresh process (DESIGN.md §10's peak-growth measure):
+    """`python -m prefillonly.memory_probe` in a fresh process (docs/design.md §7's peak-growth measure):
     {growth_bytes, seconds, predicted_bytes, process_s} or {error}. system "transformers" or ours."""
     cmd = [sys.executable, "-m", "prefillonly.memory_probe", "--tokens", str(tokens), "--dtype", dtype,
            "--threads", str(threads), "--system", "transformers" if system == "transformers" else "prefillonly",
@@ -331,7 +318,7 @@ def render_speed(part: dict, spec_info: dict) -> str:
     ]
     lines += [bu.markdown_table(header, rows), ""]
     lines.append(
-        f"Model FLOPs per request (DESIGN.md §10, no cached prefix): 2·N·S + 2·L·d·S² + 2·hidden·vocab, with "
+        f"Model FLOPs per request (docs/design.md §7, no cached prefix): 2·N·S + 2·L·d·S² + 2·hidden·vocab, with "
         f"N = {spec_info['N']:,} non-embedding parameters, L = {spec_info['L']}, d = heads × head_dim = {spec_info['d']}, vocab = {spec_info['vocab']:,}. "
         "Δ logprob is the largest difference of the two systems' full-vocabulary log-probabilities (last rep): ~0 in fp32; in bf16 "
         "a few tenths is rounding (each system's bf16 differs from an fp32 reference by about as much)."
@@ -373,7 +360,7 @@ def render_memory(part: dict) -> str:
         "",
         f"**Peak memory growth** ({MEMORY_DTYPE}, MiB). Each (system, length) in a fresh process: load the model, warm up on "
         "16 tokens (`python -m prefillonly.memory_probe`), `echo 5 > /proc/self/clear_refs`, read VmRSS, run one forward, read VmHWM; growth = "
-        "VmHWM − VmRSS before (DESIGN.md §10). \"predicted\" is `prefillonly.memory.predict_peak_bytes` for the same request.",
+        "VmHWM − VmRSS before (docs/design.md §7). \"predicted\" is `prefillonly.memory.predict_peak_bytes` for the same request.",
         "",
         bu.markdown_table(header, rows),
         "",

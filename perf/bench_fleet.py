@@ -1,8 +1,8 @@
 """Fleet benchmark (issue 13): 3 real tritonserver replicas behind a real Envoy on this host,
 the post-recommendation trace from many users, one command:
 
-    .venv/bin/python perf/bench_fleet.py            # ~6-8 min on 2 cores
-    .venv/bin/python perf/bench_fleet.py --quick    # fewer users, a smoke run (no RESULTS.md)
+    .venv/bin/python -m perf.bench_fleet            # ~6-8 min on 2 cores
+    .venv/bin/python -m perf.bench_fleet --quick    # fewer users, a smoke run (no RESULTS.md)
 
 Steps, all on the same 3 replicas (the default model, float32, one thread each, a prefix
 cache large enough for every profile):
@@ -37,9 +37,9 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-import benchutil as bu
-import harness
-import workloads as wl
+from perf import benchutil as bu
+from perf import harness
+from perf import workloads as wl
 from prefillonly.serving.envoy import REPLICA_HEADER, USER_HEADER, EnvoyProxy, FrontDoor, Upstream
 from prefillonly.serving.fleet import LocalFleet
 from prefillonly.serving.testing import copy_model_repository

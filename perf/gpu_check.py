@@ -8,7 +8,7 @@ does not lose the rest:
                   yardstick of bf16 noise), several prompt lengths and chunk sizes, plus the
                   cached-prefix path;
   2. performance  Llama-3.1-8B shape, random weights made on the GPU: prefill tokens/s and MFU
-                  (DESIGN.md §10) at 8K / 32K / 100K tokens, against the datasheet bf16 peak
+                  (docs/design.md §7) at 8K / 32K / 100K tokens, against the datasheet bf16 peak
                   and a bf16 matmul rate measured in the same run;
   3. memory       peak bytes per token of hybrid prefill, unchunked prefill and transformers on a
                   2-layer model of the 8B width (the peak is per layer), against the engine's own
@@ -37,13 +37,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from perf import benchutil as bu
 from prefillonly.executor import ForwardBatch, HybridPrefillExecutor, Sequence
 from prefillonly.kernels import triton_support
 from prefillonly.memory import PeakMemoryMeter, predict_peak_bytes
 from prefillonly.model_spec import ModelSpec
 from prefillonly.weights import ModelWeights
 
-H200_DATASHEET_BF16_FLOPS = 989e12  # dense bf16, DESIGN.md §10
+H200_DATASHEET_BF16_FLOPS = 989e12  # dense bf16, the datasheet peak
 
 
 def backends(device: torch.device) -> list[str]:
@@ -141,13 +142,17 @@ SECTIONS = {
     ),
     "warm": (
         "Cached-prefix speed, Llama-3.1-8B shape: S new tokens after P cached (what a warm post-rec request does)",
-        "time of executor.forward(new S, prefix P) vs a cold forward of P+S; model FLOPs per DESIGN.md §10 with the prefix. "
+        "time of executor.forward(new S, prefix P) vs a cold forward of P+S; model FLOPs per docs/design.md §7 with the prefix. "
         "Rows with batch B: B such requests in one executor.forward_batch step (each loads the same P cached tokens into its own K/V), vs B forwards one by one.",
+    ),
+    "tuning": (
+        "Triton attention tiles, Llama-3.1-8B heads (one layer, causal)",
+        "each candidate timed over 5 runs; the fastest is cached in <cache dir>/triton_tiles.json and used by every row below.",
     ),
     "performance": (
         "Prefill speed, Llama-3.1-8B shape (random bf16 weights)",
-        "model FLOPs = 2*N*S + 2*L*d*S^2 + 2*d*vocab (DESIGN.md §10, no prefix); time = median of reps. "
-        "Target (DESIGN.md §10): MFU_datasheet >= 0.60 at 8K-32K.",
+        "model FLOPs = 2*N*S + 2*L*d*S^2 + 2*d*vocab (docs/design.md §7, no prefix); time = median of reps. "
+        "Target (docs/design.md §9): MFU_datasheet >= 0.60 at 8K-32K.",
     ),
     "attention": (
         "Attention alone (torch SDPA, causal, one layer of the perf model's heads)",
@@ -177,8 +182,8 @@ class Report:
         self.flush()
 
     def flush(self) -> None:
-        _write_atomic(os.path.join(self.out_dir, "gpu_check.json"), json.dumps(self.data, indent=1, default=str))
-        _write_atomic(os.path.join(self.out_dir, "gpu_check.md"), self.markdown())
+        bu.write_atomic(os.path.join(self.out_dir, "gpu_check.json"), json.dumps(self.data, indent=1, default=str))
+        bu.write_atomic(os.path.join(self.out_dir, "gpu_check.md"), self.markdown())
 
     def markdown(self) -> str:
         header = self.data["header"]
@@ -190,23 +195,9 @@ class Report:
             lines += [f"## {title}", ""]
             if note:
                 lines += [note, ""]
-            lines += _markdown_table(rows) + [""]
+            columns = list(dict.fromkeys(k for row in rows for k in row))  # every key any row has, first seen first
+            lines += [bu.markdown_table(columns, [[_cell(row.get(c, "")) for c in columns] for row in rows]), ""]
         return "\n".join(lines)
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-def _markdown_table(rows: list[dict]) -> list[str]:
-    columns = list(dict.fromkeys(k for row in rows for k in row))
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        lines.append("| " + " | ".join(_cell(row.get(c, "")) for c in columns) + " |")
-    return lines
 
 
 def _cell(value) -> str:
@@ -398,7 +389,7 @@ def check_engine(report: Report, plan: Plan) -> None:
     allowed = [1, 2, 3]
 
     def gap(a, b):
-        return max(abs(x.logprob - y.logprob) for x, y in zip(a.tokens, b.tokens))
+        return bu.max_logprob_gap([t.logprob for t in a.tokens], [t.logprob for t in b.tokens])
 
     def row(name, err, **extra):
         report.add("engine", {"check": name, "max_abs_diff": err, **extra, "pass": err <= FP32_LIMIT})
@@ -455,7 +446,7 @@ def measure_warm_requests(report: Report, plan: Plan, matmul_rate: float | None)
             warm = time_call(warm_fn, dev, 3)
             cold = time_call(lambda: executor.forward(ids, chunk), dev, 2)
             gap = max_abs_diff(warm_fn().logits.float().log_softmax(-1), executor.forward(ids, chunk).logits.float().log_softmax(-1))
-            flops = model_flops(spec, len(new), t.cached_tokens)
+            flops = spec.flops(len(new), t.cached_tokens)
             w = statistics.median(warm)
             report.add("warm", {"backend": backend, "P": t.cached_tokens, "S": len(new), "batch": 1, "warm_ms": 1e3 * w,
                                 "cold_ms": 1e3 * statistics.median(cold), "speedup": statistics.median(cold) / w,
@@ -515,16 +506,6 @@ def llama31_8b_config(**overrides):
     return LlamaConfig(**values)
 
 
-def model_flops(spec: ModelSpec, new_tokens: int, prefix_tokens: int = 0) -> float:
-    """DESIGN.md §10: 2*N*S + 2*L*d*S*(2P + S) (d = heads x head_dim) + the last-row lm_head."""
-    s, p = new_tokens, prefix_tokens
-    d_attn = spec.num_heads * spec.head_dim
-    linear = 2 * spec.non_embedding_params() * s
-    attention = 2 * spec.num_layers * d_attn * s * (2 * p + s)
-    lm_head = 2 * spec.hidden_size * spec.vocab_size
-    return float(linear + attention + lm_head)
-
-
 def weight_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
     """Bytes of a checkpoint of this shape: linear layers, embedding (+ lm_head unless tied), norms."""
     e = torch.tensor([], dtype=dtype).element_size()
@@ -564,14 +545,14 @@ def measure_performance(report: Report, plan: Plan, matmul_rate: float | None) -
     log(f"perf: warm-up at {smallest} tokens")
     for executor in executors.values():
         warm_s = min(time_call(lambda: executor.forward(prompt[:smallest], plan.perf_chunks[0]), dev, 2))
-    achieved = model_flops(spec, smallest) / warm_s  # first estimate of the rate, for the budget
+    achieved = spec.flops(smallest) / warm_s  # first estimate of the rate, for the budget
 
     for s in plan.perf_lengths:
         # every chunk size on the default backend; the others beside it at the first chunk size
         runs = [(b, c) for b in executors for c in (plan.perf_chunks if b == next(iter(executors)) else plan.perf_chunks[:1])]
         for backend, chunk in runs:
             reps = 3 if s <= 8192 else (2 if s <= 32768 else 1)
-            estimate = reps * model_flops(spec, s) / achieved
+            estimate = reps * spec.flops(s) / achieved
             if estimate > seconds_left(plan) - plan.reserve_after_perf_s:
                 report.add("errors", {"step": f"perf S={s} chunk={chunk} {backend}", "error": f"skipped: ~{estimate:.0f}s needed, time budget"})
                 continue
@@ -587,7 +568,7 @@ def measure_performance(report: Report, plan: Plan, matmul_rate: float | None) -
 def time_prefill(executor, spec: ModelSpec, ids: torch.Tensor, chunk: int, reps: int, matmul_rate: float | None) -> dict:
     times = time_call(lambda: executor.forward(ids, chunk), executor.device, reps)
     seconds = statistics.median(times)
-    flops = model_flops(spec, len(ids))
+    flops = spec.flops(len(ids))
     rate = flops / seconds
     return {
         "S": len(ids), "chunk": chunk, "reps": reps, "median_s": seconds, "min_s": min(times),
@@ -726,7 +707,7 @@ def time_attention(report: Report, plan: Plan, spec: ModelSpec, s: int, label: s
         k_rep, v_rep = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
         times, gqa = timed(attend_expanded), "expanded"
     seconds = statistics.median(times)
-    flops = 2 * hq * hd * s * s  # DESIGN.md §10 causal attention term, one layer
+    flops = 2 * hq * hd * s * s  # docs/design.md §7's causal attention term, one layer
     report.add("attention", {"S": s, "heads": f"{hq}q/{hkv}kv x {hd}", "backend": label, "gqa": gqa, "median_ms": seconds * 1e3, "TFLOP/s": flops / seconds / 1e12})
 
 
@@ -760,7 +741,7 @@ def environment(plan: Plan, smoke: bool) -> dict:
         "device_name": torch.cuda.get_device_name(plan.device) if cuda else platform.processor() or "cpu",
         "device_memory_GB": torch.cuda.get_device_properties(plan.device).total_memory / 1e9 if cuda else None,
         "budget_s": plan.budget_s,
-        "command": " ".join(sys.argv),
+        "command": bu.command_line(),
     }
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-shot GPU check of prefillonly (correctness, speed/MFU, peak memory, SDPA backends).
 #
-#   bash perf/gpu_check.sh OUT_DIR [extra gpu_check.py args, e.g. --smoke]
+#   bash perf/gpu_check.sh OUT_DIR [extra perf.gpu_check args, e.g. --smoke]
 #
 # Run from anywhere; it works in the repository root. Writes OUT_DIR/env.txt (nvidia-smi and
 # library versions), OUT_DIR/gpu_check.log (everything printed), OUT_DIR/gpu_check.json and
@@ -11,7 +11,7 @@
 # Set PYTHON to choose the interpreter (default: python, else python3).
 set -u
 
-OUT="${1:?usage: bash perf/gpu_check.sh OUT_DIR [gpu_check.py args]}"
+OUT="${1:?usage: bash perf/gpu_check.sh OUT_DIR [perf.gpu_check args]}"
 shift
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
@@ -61,11 +61,12 @@ LIMIT=$((470 - SECONDS))
 [ "$LIMIT" -lt 60 ] && LIMIT=60
 BUDGET=$((LIMIT - 40))
 [ "$BUDGET" -lt 30 ] && BUDGET=30
-echo "running perf/gpu_check.py (hard limit ${LIMIT}s, own budget ${BUDGET}s)"
-timeout -k 10 "$LIMIT" "$PY" -u perf/gpu_check.py --out "$OUT" --budget-s "$BUDGET" "$@" 2>&1 | tee "$OUT/gpu_check.log"
+echo "running python -m perf.gpu_check (hard limit ${LIMIT}s, own budget ${BUDGET}s)"
+# -m from the repository root (the cd above): perf is imported as a package from here
+timeout -k 10 "$LIMIT" "$PY" -u -m perf.gpu_check --out "$OUT" --budget-s "$BUDGET" "$@" 2>&1 | tee "$OUT/gpu_check.log"
 RC=${PIPESTATUS[0]}
 if [ "$RC" -ne 0 ]; then
-    echo "gpu_check.py exited with status $RC (124/137: hit the ${LIMIT}s limit); partial results:" | tee -a "$OUT/gpu_check.log"
+    echo "perf.gpu_check exited with status $RC (124/137: hit the ${LIMIT}s limit); partial results:" | tee -a "$OUT/gpu_check.log"
     [ -f "$OUT/gpu_check.md" ] && cat "$OUT/gpu_check.md"
 fi
 exit "$RC"

@@ -20,26 +20,23 @@ The same code drives every system, so what differs between two latency curves is
 Backends: TritonGrpcBackend (our Triton model over gRPC streaming, through
 clients/prefillonly_client.py), VllmOpenAIBackend (vLLM's OpenAI-compatible /v1/completions with
 prompt token ids, max_tokens=1, logprobs, allowed_token_ids). Tests use a fake in-process backend.
-`scrape_prometheus` / `prefix_hit_counters` read the servers' metrics endpoints.
+`prefix_hit_counters` reads the servers' metrics endpoints (prefillonly.serving.prometheus).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-import workloads as wl
+from perf import workloads as wl
+from prefillonly.serving import prometheus
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 MAX_CLIENT_THREADS = 512  # more in flight than this queue in the client (and count as latency)
 
 
@@ -222,35 +219,8 @@ def summarize(result: LoadResult) -> dict:
 
 
 # -- metrics endpoints --------------------------------------------------------------------------
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def scrape_prometheus(url: str, timeout_s: float = 10.0) -> list[tuple[str, dict, float]]:
-    """(name, labels, value) for every sample of a Prometheus text endpoint."""
-    with urllib.request.urlopen(url, timeout=timeout_s) as r:
-        return parse_prometheus(r.read().decode())
-
-
-def parse_prometheus(text: str) -> list[tuple[str, dict, float]]:
-    samples = []
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m and not line.startswith("#"):
-            try:
-                value = float(m.group(3))
-            except ValueError:
-                continue
-            samples.append((m.group(1), dict(_LABEL.findall(m.group(2) or "")), value))
-    return samples
-
-
-def metric_sum(samples, name: str, **labels) -> float:
-    return sum(v for n, ls, v in samples if n == name and all(ls.get(k) == w for k, w in labels.items()))
-
-
 def prefix_hit_counters(system: str, metrics_url: str) -> dict:
-    return prefix_hits_from_samples(system, scrape_prometheus(metrics_url))
+    return prefix_hits_from_samples(system, prometheus.scrape(metrics_url))
 
 
 def prefix_hits_from_samples(system: str, samples) -> dict:
@@ -259,11 +229,11 @@ def prefix_hits_from_samples(system: str, samples) -> dict:
     ours: prefillonly_prompt_tokens_total{source="computed"|"cache"} (Triton's metrics port);
     vLLM: vllm:prefix_cache_queries_total / vllm:prefix_cache_hits_total (tokens)."""
     if system == "ours":
-        computed = metric_sum(samples, "prefillonly_prompt_tokens_total", source="computed")
-        cached = metric_sum(samples, "prefillonly_prompt_tokens_total", source="cache")
+        computed = prometheus.total(samples, "prefillonly_prompt_tokens_total", source="computed")
+        cached = prometheus.total(samples, "prefillonly_prompt_tokens_total", source="cache")
         return {"prompt_tokens": computed + cached, "cached_tokens": cached}
-    queries = metric_sum(samples, "vllm:prefix_cache_queries_total")
-    hits = metric_sum(samples, "vllm:prefix_cache_hits_total")
+    queries = prometheus.total(samples, "vllm:prefix_cache_queries_total")
+    hits = prometheus.total(samples, "vllm:prefix_cache_hits_total")
     return {"prompt_tokens": queries, "cached_tokens": hits}
 
 
@@ -285,8 +255,7 @@ class TritonGrpcBackend:
     name = "ours"
 
     def __init__(self, url: str, model: str = "prefillonly", use_cache_boundary: bool = True):
-        sys.path.insert(0, str(REPO_ROOT / "clients"))
-        from prefillonly_client import PrefillOnlyClient
+        from clients.prefillonly_client import PrefillOnlyClient  # the repository root is on sys.path (python -m perf...)
 
         self._client_class = PrefillOnlyClient
         self.url, self.model, self.use_cache_boundary = url, model, use_cache_boundary

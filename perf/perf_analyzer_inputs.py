@@ -1,9 +1,9 @@
-"""perf_analyzer `--input-data` JSON for the two workloads (DESIGN.md §3 / §10), from the seeded
+"""perf_analyzer `--input-data` JSON for the two workloads (docs/design.md §8), from the seeded
 traces of perf/workloads.py: every trace request becomes one data entry, replayed with the
 trace's exact token ids.
 
-    .venv/bin/python perf/perf_analyzer_inputs.py post-rec --scale cpu     # -> perf/out/perf_analyzer/post_rec_cpu_s0.json
-    .venv/bin/python perf/perf_analyzer_inputs.py credit --scale tiny --out credit.json
+    .venv/bin/python -m perf.perf_analyzer_inputs post-rec --scale cpu     # -> perf/out/perf_analyzer/post_rec_cpu_s0.json
+    .venv/bin/python -m perf.perf_analyzer_inputs credit --scale tiny --out credit.json
 
 One entry per request, in trace order (user-major: a user's posts follow each other, as in the
 trace) or, with --arrival-qps, in Poisson arrival order at that rate (users interleaved):
@@ -33,7 +33,7 @@ import json
 import sys
 from pathlib import Path
 
-import workloads as wl
+from perf import workloads as wl
 
 OUT_DIR = wl.PERF_DIR / "out" / "perf_analyzer"
 MODELS = ("prefillonly", "prefillonly_sync")  # same inputs: one file for both

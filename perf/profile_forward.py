@@ -1,7 +1,7 @@
 """Where one cold forward's time goes: the default model, one prompt of N random tokens, under
 the torch profiler, once per attention backend (fresh engine each, same process).
 
-    .venv/bin/python perf/profile_forward.py [--dtype float32] [--tokens 5600] [--backends cpu_flash,sdpa]
+    .venv/bin/python -m perf.profile_forward [--dtype float32] [--tokens 5600] [--backends cpu_flash,sdpa]
 
 Prints the wall time of an unprofiled forward and the profiler's top ops by self time (the
 compiled attention kernel appears as prefillonly::cpu_flash_attention).
@@ -20,7 +20,7 @@ from prefillonly import Engine, EngineConfig
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="perf/profile_forward.py")
+    p = argparse.ArgumentParser(prog="python -m perf.profile_forward")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--tokens", type=int, default=5600)
     p.add_argument("--threads", type=int, default=2)

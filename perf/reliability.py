@@ -1,10 +1,10 @@
 """Reliability benchmark: the serve stack as `scripts/serve.sh` runs it (Envoy in front of a
 supervised tritonserver, default model) under bad input and under a long mixed soak.
 
-    .venv/bin/python perf/reliability.py all              # matrix + soak (3,000 requests, 400 users), ~1-1.5 h on 2 cores
-    .venv/bin/python perf/reliability.py matrix           # the bad-input matrix only (~1 min)
-    .venv/bin/python perf/reliability.py soak --requests 5000 --users 600 --concurrency 8
-    .venv/bin/python perf/reliability.py all --quick --out /tmp/rel-quick   # smoke run (200 requests, 20 users), ~4 min
+    .venv/bin/python -m perf.reliability all              # matrix + soak (3,000 requests, 400 users), ~1-1.5 h on 2 cores
+    .venv/bin/python -m perf.reliability matrix           # the bad-input matrix only (~1 min)
+    .venv/bin/python -m perf.reliability soak --requests 5000 --users 600 --concurrency 8
+    .venv/bin/python -m perf.reliability all --quick --out /tmp/rel-quick   # smoke run (200 requests, 20 users), ~4 min
 
 1. matrix: ~25 request cases (bad inputs, limits, a 2 MB prompt, a body over Envoy's ~4 MB limit,
    the `triton_grpc_error` header, a few good requests), each sent in every call style: HTTP
@@ -50,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-import benchutil as bu
+from perf import benchutil as bu
 
 SECTION = "## Reliability"
 MODEL, SYNC_MODEL = "prefillonly", "prefillonly_sync"
@@ -83,7 +83,7 @@ class Stack:
         self._watcher = None
 
     def __enter__(self) -> "Stack":
-        from prefillonly.serving.launcher import free_ports
+        from prefillonly.serving.addresses import free_ports
         from prefillonly.serving.supervisor import ServeOptions, Supervisor
         from prefillonly.serving.testing import copy_model_repository
 
@@ -153,7 +153,7 @@ class Stack:
 
     def health(self) -> dict:
         """Is everything still up, has nothing restarted, does a good request get an answer?"""
-        from prefillonly.serving.launcher import process_alive
+        from prefillonly.serving.process import process_alive
 
         answer = http_generate(self.http_url, {"text_input": "Is the sky blue? Answer:", "allowed_tokens": YES_NO}, 60)
         return {"tritonserver_running": self.sup.server.poll() is None,
@@ -1161,7 +1161,7 @@ def run_line(phase: dict) -> str:
 def render(out_dir: Path, results_md: Path, meta: dict) -> str:
     matrix, soak = bu.load_json(out_dir / "matrix.json"), bu.load_json(out_dir / "soak.json")
     faults = bu.load_json(out_dir / "faults.json")
-    lines = ["Written by `python perf/reliability.py [matrix|faults|soak|all]` (each phase's own command below)  ",
+    lines = ["Written by `python -m perf.reliability [matrix|faults|soak|all]` (each phase's own command below)  ",
              f"Date: {meta['date']}  ", f"Machine: {bu.machine_line(meta['machine'])}  ",
              f"Stack: Envoy (front door: body limit max_request_bytes = {meta['max_request_bytes']:,} bytes, header stripping) -> tritonserver 2.51.0 (nvidia-pytriton wheel) "
              f"under the serve supervisor (prefillonly.serving.supervisor, watchdog on), model_repository/ with the default "

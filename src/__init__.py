@@ -1,6 +1,6 @@
 """PrefillOnly: an inference engine for prefill-only requests (one output token, its probability).
 
-Public API (DESIGN.md §10): Engine, EngineConfig, ScoreResult, TokenScore and the errors.
+Public API (docs/design.md §5): Engine, EngineConfig, ScoreResult, TokenScore and the errors.
 """
 
 from .config import EngineConfig

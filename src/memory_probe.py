@@ -1,4 +1,4 @@
-"""Measures one forward's peak memory growth in a fresh process (DESIGN.md §10).
+"""Measures one forward's peak memory growth in a fresh process (docs/design.md §7).
 
     python -m prefillonly.memory_probe --tokens 8192 --chunk-size 512 [--model DIR | --random-config JSON]
         [--dtype bfloat16] [--system prefillonly|transformers] [--members N]

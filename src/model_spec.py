@@ -66,10 +66,23 @@ class ModelSpec:
         return self.max_position_embeddings
 
     def non_embedding_params(self) -> int:
-        """N of DESIGN.md §10's FLOP count (per-token linear layers, no embedding/lm_head)."""
+        """N of the model-FLOP count (docs/design.md §7): the per-token linear layers, no embedding/lm_head."""
         d, f = self.hidden_size, self.intermediate_size
         per_layer = d * self.qkv_width + self.q_width * d + 3 * d * f
         return self.num_layers * per_layer
+
+    def flops(self, new_tokens: int, prefix_tokens: int = 0) -> int:
+        """Model FLOPs of one prefill: `new_tokens` (S) computed after `prefix_tokens` (P) cached.
+
+        2·N·S for the linear layers (N = non_embedding_params()), 2·L·d·S·(2P + S) for causal
+        attention (d = heads x head_dim: QK^T and PV over the P cached keys and the causal half
+        of the S new ones, 4·d·S·P + 2·d·S² per layer), and 2·hidden·vocab for the lm_head on the
+        last position only (a prefill-only request scores one next token)."""
+        s, p = new_tokens, prefix_tokens
+        linear = 2 * self.non_embedding_params() * s
+        attention = 2 * self.num_layers * self.q_width * s * (2 * p + s)
+        lm_head = 2 * self.hidden_size * self.vocab_size
+        return linear + attention + lm_head
 
     @classmethod
     def from_hf_config(cls, config) -> "ModelSpec":

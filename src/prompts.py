@@ -1,7 +1,7 @@
 """Turns user input into token ids: prompts (text or ids) and allowed output tokens.
 
 A string allowed token is scored as exactly the one token it encodes to; nothing is added
-(no leading space, no special tokens). "Yes" and " Yes" are different tokens (DESIGN.md §6).
+(no leading space, no special tokens). "Yes" and " Yes" are different tokens (docs/design.md §5).
 """
 
 from __future__ import annotations

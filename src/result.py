@@ -1,4 +1,4 @@
-"""What a scoring request returns (names fixed by DESIGN.md §10)."""
+"""What a scoring request returns (names fixed by docs/design.md §5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Our forward pass equals transformers' forward on identical weights (DESIGN.md standards).
+"""Our forward pass equals transformers' forward on identical weights (docs/design.md §6).
 
 fp32: max |logprob difference| <= 1e-4 against transformers in float64.
 bf16: our max difference from the float64 reference, over a set of prompts, is at most 1.5x

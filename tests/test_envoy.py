@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from prefillonly.serving.envoy import (ProxyError, EnvoyProxy, FrontDoor, Upstream, envoy_config, validate_config)
-from prefillonly.serving.launcher import free_ports
+from prefillonly.serving.addresses import free_ports
 from prefillonly.serving.testing import copy_model_repository, post_json, running_server
 
 REPO = Path(__file__).resolve().parents[1] / "model_repository"

@@ -27,10 +27,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prefillonly.serving.launcher import ADMIN_KEY_HEADER, free_ports
+from prefillonly.serving.addresses import free_ports
 from prefillonly.serving.probe import ready_status
 from prefillonly.serving.supervisor import ServeOptions, Supervisor
 from prefillonly.serving.testing import copy_model_repository, post_json
+from prefillonly.serving.triton_server import ADMIN_KEY_HEADER
 
 from .test_triton_lifecycle import in_background
 

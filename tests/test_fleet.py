@@ -95,10 +95,7 @@ def _hit_rate(replies: list[dict]) -> float:
 
 
 def test_every_call_style_through_envoy_equals_a_replica_queried_directly(fleet):
-    import sys
-
-    sys.path.insert(0, str(ROOT / "clients"))
-    from prefillonly_client import PrefillOnlyClient
+    from clients.prefillonly_client import PrefillOnlyClient
 
     ids = torch.randint(10, 40000, (90,), generator=torch.Generator().manual_seed(1)).tolist()
     direct = fleet.replicas[0]

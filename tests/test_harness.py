@@ -6,17 +6,16 @@ no model, no server, no vLLM.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
-import eval as perf_eval  # noqa: E402
-import harness  # noqa: E402
-import workloads as wl  # noqa: E402
+from perf import eval as perf_eval
+from perf import harness
+from perf import workloads as wl
+from prefillonly.serving.prometheus import parse as parse_prometheus
 
 SCALE = wl.PostRecScale(users=4, posts_per_user=3, profile_mean=40, post_mean=10, post_std=2, post_clip=(6, 14))
 
@@ -148,11 +147,11 @@ def test_percentile_and_prefix_hit_counters_from_metrics_text():
     assert harness.percentile([], 99) is None
     assert harness.percentile([3.0], 99) == 3.0
     assert harness.percentile([float(i) for i in range(101)], 99) == pytest.approx(99.0)
-    ours = harness.parse_prometheus(
+    ours = parse_prometheus(
         '# HELP prefillonly_prompt_tokens_total x\n# TYPE prefillonly_prompt_tokens_total counter\n'
         'prefillonly_prompt_tokens_total{source="computed"} 300\nprefillonly_prompt_tokens_total{source="cache"} 700\n'
         'nv_inference_count{model="prefillonly",version="1"} 12\n')
-    vllm = harness.parse_prometheus(
+    vllm = parse_prometheus(
         'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0\n'
         'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 600.0\n'
         'vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e9\n')

@@ -13,14 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prefillonly.serving.launcher import (
-    PerfAnalyzerUnavailable,
-    ServerError,
-    TritonServer,
-    perf_analyzer_env,
-    perf_analyzer_path,
-    prepare_server_dir,
-)
+from perf.perf_analyzer import PerfAnalyzerUnavailable, perf_analyzer_env, perf_analyzer_path
+from prefillonly.serving.server_tree import ServerError, prepare_server_dir
+from prefillonly.serving.triton_server import TritonServer
 from prefillonly.serving.testing import running_server, write_echo_model
 
 TEXT = "héllo, prefill wörld"

@@ -7,18 +7,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
+from perf import perf_analyzer_inputs as pai
+from perf import workloads as wl
+from prefillonly.serving.protocol import INPUTS
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "perf"))
-
-import perf_analyzer_inputs as pai  # noqa: E402
-import workloads as wl  # noqa: E402
-
-from prefillonly.serving.protocol import INPUTS  # noqa: E402
 
 WORKLOADS = ("post_rec", "credit")
 
@@ -84,7 +81,7 @@ def _failures(server) -> dict[str, float]:
 
 
 def test_perf_analyzer_on_both_models_with_trace_inputs_has_zero_errors(tmp_path):
-    from prefillonly.serving.launcher import PerfAnalyzerUnavailable, perf_analyzer_path, read_perf_analyzer_csv, run_perf_analyzer
+    from perf.perf_analyzer import PerfAnalyzerUnavailable, perf_analyzer_path, read_perf_analyzer_csv, run_perf_analyzer
     from prefillonly.serving.testing import running_server
 
     try:

@@ -114,7 +114,7 @@ def test_perf_analyzer_streaming_load_has_no_errors(server, tmp_path):
     """A short bounded perf_analyzer run (gRPC streaming, concurrency 2) on real prompts."""
     import subprocess
 
-    from prefillonly.serving.launcher import perf_analyzer_env, perf_analyzer_path
+    from perf.perf_analyzer import perf_analyzer_env, perf_analyzer_path
 
     data = {"data": [{"text_input": {"content": [p], "shape": [1]}, "allowed_tokens": {"content": [" Yes", " No"], "shape": [2]}}
                      for p in ("Is the sky blue? Answer:", "Is water dry? Answer:", "Do fish swim? Answer:")]}
@@ -214,10 +214,7 @@ def test_forwarder_knows_the_same_retry_later_codes():
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_client_library(server, engine, protocol):
-    import sys
-
-    sys.path.insert(0, str(REPO.parent / "clients"))
-    from prefillonly_client import PrefillOnlyClient, PrefillOnlyClientError
+    from clients.prefillonly_client import PrefillOnlyClient, PrefillOnlyClientError
 
     url = server.http_url if protocol == "http" else server.grpc_url
     with PrefillOnlyClient(url, protocol) as c:

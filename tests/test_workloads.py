@@ -1,16 +1,13 @@
-"""perf/workloads.py: seeded traces (DESIGN.md §10). Fast; no model, no torch."""
+"""perf/workloads.py: seeded traces (docs/design.md §8). Fast; no model, no torch."""
 
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
-import workloads as wl  # noqa: E402
+from perf import workloads as wl
 
 
 def clipped_normal_std(std: float, a: float) -> float:

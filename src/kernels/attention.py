@@ -3,7 +3,7 @@
 One entry point, `causal_attention`, used by the executor for every layer. Queries may be a
 suffix of the keys (cached prefix K/V followed by fresh K/V): query i sits at key position
 i + (Lk - Lq) and sees keys 0..i + (Lk - Lq) (bottom-right-aligned causal mask).
-No S x S mask is ever built (DESIGN.md §8b).
+No S x S mask is ever built (docs/design.md §13).
 
 Backends:
   "cpu_flash"  our compiled flash-attention kernel (cpu_attention.cpp): whole prompts and

@@ -1,14 +1,9 @@
-"""Serving prefillonly behind Triton Inference Server: the wire format (protocol.py) and the server launcher."""
+"""Serving prefillonly behind Triton Inference Server.
 
-# The launcher (prefillonly.serving.launcher) is loaded on first use only, so that model.py's
-# `prefillonly.serving.protocol` import inside the Triton stub does not pull it in.
-_LAUNCHER_NAMES = ("TritonServer", "ServerError", "PerfAnalyzerUnavailable", "prepare_server_dir", "server_env",
-                   "perf_analyzer_path", "perf_analyzer_env")
-
-
-def __getattr__(name):
-    if name in _LAUNCHER_NAMES:
-        from . import launcher
-
-        return getattr(launcher, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+Inside the Triton model: protocol.py (the wire format), metrics.py, drain.py, inflight.py (requests
+in flight). Around it: server_tree.py (the server from the nvidia-pytriton wheel), triton_server.py
+(the tritonserver process), envoy.py (the front door), supervisor.py (`python -m prefillonly.serving
+serve`), fleet.py, probe.py, prometheus.py (reading a metrics endpoint), addresses.py (ports,
+hosts), process.py (a logged child process), testing.py. Nothing is imported here, so that the
+model's imports inside the Triton stub load only what they name.
+"""

@@ -1,6 +1,6 @@
 """`python -m prefillonly.serving serve --model-repository DIR`: the real tritonserver behind Envoy,
-supervised (prefillonly.serving.supervisor), in the foreground; `... probe` (container liveness);
-`... perf-analyzer` / `perf-analyzer-path`."""
+supervised (prefillonly.serving.supervisor), in the foreground; `... probe` (container liveness).
+(perf_analyzer: `python -m perf.perf_analyzer` from a checkout.)"""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 from .envoy import DEFAULT_MAX_REQUEST_BYTES, ProxyError
-from .launcher import (ADMIN_APIS, ADMIN_KEY_HEADER, TRITON_SERVER_VERSION, PerfAnalyzerUnavailable, ServerError,
-                       perf_analyzer_env, perf_analyzer_path)
 from .probe import probe
+from .server_tree import TRITON_SERVER_VERSION, ServerError
 from .supervisor import ServeOptions, Supervisor
+from .triton_server import ADMIN_APIS, ADMIN_KEY_HEADER
 
 USAGE_HINT = """\
 prefillonly ready: tritonserver {version} (pid {pid}) serving {repo}{behind}
@@ -31,7 +31,7 @@ Score over HTTP (decoupled model: use generate, not infer):
 gRPC (decoupled models need the bidirectional stream):
   import tritonclient.grpc as g; c = g.InferenceServerClient("{grpc}")
   c.start_stream(callback=lambda result, error: ...); c.async_stream_infer("prefillonly", inputs)
-perf_analyzer: python -m prefillonly.serving perf-analyzer -- -m prefillonly -u {grpc} -i grpc --streaming ...
+perf_analyzer (from a checkout): python -m perf.perf_analyzer -- -m prefillonly -u {grpc} -i grpc --streaming ...
 Liveness: python -m prefillonly.serving probe --url {http}
 Ctrl-C (SIGINT) or SIGTERM stops the server (waiting requests are answered engine_closed first).
 """
@@ -116,7 +116,7 @@ def _probe(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m prefillonly.serving",
-                                description="Run the real Triton Inference Server 2.51.0 (from nvidia-pytriton).")
+                                description=f"Run the real Triton Inference Server {TRITON_SERVER_VERSION} (from nvidia-pytriton).")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="start tritonserver on a model repository and stay in the foreground",
                        description="Extra tritonserver flags go after `--`, e.g. -- --exit-on-error=false")
@@ -153,33 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     pb.add_argument("--url", default="http://127.0.0.1:8000", help="HTTP address of the server or the front door")
     pb.add_argument("--model", default="prefillonly")
     pb.add_argument("--timeout", type=float, default=60.0)
-    pp = sub.add_parser("perf-analyzer-path", help="print the path of perf_analyzer 2.51.0 (fetched once)")
-    pp.add_argument("--cache-dir", default=None)
-    pp.add_argument("--env", action="store_true", help="also print LD_LIBRARY_PATH=... to run it with")
-    pr = sub.add_parser("perf-analyzer", help="run perf_analyzer with its environment; its arguments go after `--`")
-    pr.add_argument("--cache-dir", default=None)
-    pr.add_argument("args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
 
     if a.cmd == "serve":
         return _serve(a)
-    if a.cmd == "probe":
-        return _probe(a)
-    try:
-        binary = perf_analyzer_path(a.cache_dir)
-        env = perf_analyzer_env(cache_dir=a.cache_dir)
-    except PerfAnalyzerUnavailable as e:
-        print(f"prefillonly.serving: {e}", file=sys.stderr)
-        return 1
-    if a.cmd == "perf-analyzer-path":
-        print(binary)
-        if a.env:
-            print(f"LD_LIBRARY_PATH={env['LD_LIBRARY_PATH']}")
-        return 0
-    args = a.args[1:] if a.args[:1] == ["--"] else a.args
-    sys.stdout.flush()
-    os.execve(str(binary), [str(binary), *args], env)
-    return 127  # not reached
+    return _probe(a)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""Graceful shutdown handshake between the launcher and the model, through one file.
+"""Graceful shutdown handshake between the server process (TritonServer) and the model, through one file.
 
 Triton gives a Python model no shutdown notice before its exit timeout: on SIGTERM it waits for
 the requests in flight (in a decoupled model: every request the engine holds, waiting ones too)
-and cuts off whatever is left after --exit-timeout-secs. So before the launcher signals Triton it
+and cuts off whatever is left after --exit-timeout-secs. So before TritonServer signals Triton it
 creates the drain file; the model, which polls for it, closes its engine (new requests and every
 waiting one are answered `engine_closed`), waits for the running request to finish and writes the
 ack file: nothing is left to answer. Only then are client connections closed (Triton 2.51 waits
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-DRAIN_FILE_ENV = "PREFILLONLY_DRAIN_FILE"  # set by the launcher in the server's environment
+DRAIN_FILE_ENV = "PREFILLONLY_DRAIN_FILE"  # set by TritonServer in the server's environment
 
 
 def ack_path(drain_file: str | os.PathLike) -> Path:

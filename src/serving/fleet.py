@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 
 from .envoy import EnvoyProxy, FrontDoor, Upstream
-from .launcher import TritonServer
+from .triton_server import TritonServer
 
 
 class LocalFleet:

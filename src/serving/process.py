@@ -1,9 +1,9 @@
 """LoggedProcess: a long-running child in its own process group, its output appended to a log.
 
-The common half of TritonServer (launcher.py) and EnvoyProxy (envoy.py): spawning, the log and
+The common half of TritonServer (triton_server.py) and EnvoyProxy (envoy.py): spawning, the log and
 its tail, signals to the whole group (Triton's Python stubs go with it), readiness polling, and an
-atexit net so that a crashed test or script never leaves a server or proxy behind. Standard
-library only.
+atexit net so that a crashed test or script never leaves a server or proxy behind. Also what /proc
+tells of other processes (process_alive, child_pids, process_name). Standard library only.
 """
 
 from __future__ import annotations
@@ -53,6 +53,32 @@ def http_status(url: str, timeout: float = 2.0) -> int:
         return e.code
     except (urllib.error.URLError, OSError):
         return 0
+
+
+def process_alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting to be reaped)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def child_pids(pid: int) -> list[int]:
+    """The direct children of `pid` (every thread's), from /proc."""
+    found = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            found += [int(c) for c in children.read_text().split()]
+    return found
+
+
+def process_name(pid: int) -> str:
+    """/proc/PID/comm: the executable's name, cut to 15 characters ("" if the process is gone)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 class LoggedProcess:

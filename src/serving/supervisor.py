@@ -28,9 +28,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from .addresses import free_ports
 from .envoy import DEFAULT_MAX_REQUEST_BYTES, EnvoyProxy, FrontDoor, Upstream
-from .launcher import ServerError, TritonServer, free_ports, process_alive
 from .probe import probe
+from .process import process_alive
+from .server_tree import ServerError
+from .triton_server import TritonServer
 
 WATCH_INTERVAL_S = 0.5
 RESTART_ATTEMPTS = 5  # consecutive failed starts before the supervisor gives up (exit status 1)

@@ -16,13 +16,13 @@ import os
 import re
 import shutil
 import textwrap
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Iterator
 
-from .launcher import TritonServer
+from . import prometheus
+from .triton_server import TritonServer
 
 
 @contextlib.contextmanager
@@ -73,24 +73,7 @@ def scrape_metrics(metrics_url: str, prefixes=("prefillonly_", "nv_inference_"))
     """Triton's Prometheus endpoint as {'name{labels}': value} for the series starting with
     `prefixes` (None: every series). Retries briefly: the metrics port may open a moment after
     /v2/health/ready answers."""
-    for attempt in range(50):
-        try:
-            with urllib.request.urlopen(metrics_url, timeout=30) as r:
-                text = r.read().decode()
-            break
-        except urllib.error.URLError:
-            if attempt == 49:
-                raise
-            time.sleep(0.2)
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#") and (prefixes is None or line.startswith(tuple(prefixes))):
-            key, _, value = line.rpartition(" ")
-            try:
-                values[key] = float(value)
-            except ValueError:
-                pass
-    return values
+    return prometheus.by_series(prometheus.scrape(metrics_url, timeout_s=30, attempts=50), prefixes)
 
 
 ECHO_CONFIG = """\

@@ -5,24 +5,24 @@ tokenizing), hands it to the intake threads and returns at once; an intake threa
 submits it to the engine's queue, so no prompt holds up the thread that feeds Triton's other
 requests. The engine's worker completes the Future, whose callback sends the one final response
 through the request's response sender. Bad input is answered with an error naming the problem
-(from execute() or from intake); every request gets exactly one final response. The launcher's
+(from execute() or from intake); every request gets exactly one final response. TritonServer's
 drain file (prefillonly.serving.drain) closes the engine before Triton's shutdown. A request whose
-client cancels it while it still waits is taken out of the engine's queue (InFlightWatcher).
+client cancels it while it still waits is taken out of the engine's queue (InFlightWatcher, in
+prefillonly.serving.inflight with the rest of the bookkeeping of requests in flight).
 initialize() runs one warm-up request, so Triton reports the model ready only once it is warm.
 Logs: one line per event, with the request id.
 """
 
 import json
-import threading
 import time
-from concurrent.futures import CancelledError, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 
 import triton_python_backend_utils as pb_utils
 
 from prefillonly import Engine, EngineConfig
 from prefillonly.errors import InvalidRequestError
 from prefillonly.serving.drain import DrainWatch, drain_file_from_env
+from prefillonly.serving.inflight import InFlightWatcher, PendingRequest, when_all_done
 from prefillonly.serving.metrics import EngineMetrics
 from prefillonly.serving.protocol import INPUTS, error_reply, parse_request, results_to_outputs
 
@@ -32,17 +32,6 @@ WATCH_INTERVAL_S = 0.1  # how often requests in flight are checked for client ca
 # Tokenizing threads: the tokenizer releases the GIL, so a long prompt on one leaves the other
 # (and execute()) free; two keep a 2-core host's engine worker fed without crowding it.
 INTAKE_THREADS = 2
-
-
-@dataclass
-class _Pending:
-    """A request the engine has taken, until its final response is sent."""
-
-    request: object
-    sender: object
-    request_id: str
-    received_at: float
-    futures: list = field(default_factory=list)
 
 
 class TritonPythonModel:
@@ -58,7 +47,7 @@ class TritonPythonModel:
         self.intake = ThreadPoolExecutor(INTAKE_THREADS, thread_name_prefix="prefillonly-intake")
         self.drain = DrainWatch(drain_file_from_env())
         self.watcher = InFlightWatcher(WATCH_INTERVAL_S, on_tick=lambda: self.metrics.update(self.engine.stats()),
-                                       on_round=self._check_drain)
+                                       on_round=self._check_drain, warn=pb_utils.Logger.log_warn)
         pb_utils.Logger.log_info(f"prefillonly: engine ready and warm ({self.engine.model_path}; "
                                  f"warm-up request of {WARMUP_TOKENS} tokens took {warmup_s * 1e3:.0f} ms)")
 
@@ -72,7 +61,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            pending = _Pending(request, request.get_response_sender(), request.request_id() or "<no id>", time.monotonic())
+            pending = PendingRequest(request, request.get_response_sender(), request.request_id() or "<no id>", time.monotonic())
             try:
                 call = _parse(request, self.engine.limits)
                 self.intake.submit(self._admit, pending, call)
@@ -89,7 +78,7 @@ class TritonPythonModel:
             _send_error(pending, e)
             return
         self.watcher.watch(pending)  # before the callback: it may run at once and forget it
-        _when_all_done(pending.futures, lambda results, error, p=pending: self._done(p, results, error))
+        when_all_done(pending.futures, lambda results, error, p=pending: self._done(p, results, error))
         self.metrics.update(self.engine.stats())  # the waiting gauge counts what just arrived
 
     def _check_drain(self):
@@ -97,7 +86,7 @@ class TritonPythonModel:
             pb_utils.Logger.log_info("prefillonly: drain requested: no new work; failing every waiting request with "
                                      "engine_closed; the running one finishes")
             # answers every waiting request, then waits for the running one: the ack means
-            # "nothing left to answer", so the launcher can close client connections
+            # "nothing left to answer", so TritonServer.stop() can close client connections
             self.engine.close()
             self.drain.acknowledge()
             pb_utils.Logger.log_info("prefillonly: drained")
@@ -158,90 +147,6 @@ def _check_parameters(request):
     if unknown:
         raise InvalidRequestError(f"unknown field(s) {', '.join(unknown)}: not inputs of this model "
                                   f"(inputs: {', '.join(INPUTS)})")
-
-
-class InFlightWatcher:
-    """A low-rate poll over the requests in flight. It cancels the engine Futures of those whose
-    client cancelled them (gRPC stream cancel, closed HTTP connection) while they still wait: the
-    engine drops them from its queue and the done callback answers them. Polled, because nothing
-    pushes cancellation to a Python model (is_cancelled() is a round trip to Triton). Each round
-    with requests in flight also calls on_tick (the metrics refresh: the waiting gauge drops when
-    the engine's worker starts a request, which the model does not otherwise see)."""
-
-    def __init__(self, interval_s: float, on_tick, on_round=None):
-        self._interval_s = interval_s
-        self._on_tick = on_tick
-        self._on_round = on_round  # called every round, with or without requests in flight
-        self._lock = threading.Lock()
-        self._watched = {}  # id(pending) -> pending
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="prefillonly-cancel-watch", daemon=True)
-        self._thread.start()
-
-    def watch(self, pending):
-        with self._lock:
-            self._watched[id(pending)] = pending
-
-    def forget(self, pending):
-        with self._lock:
-            self._watched.pop(id(pending), None)
-
-    def close(self):
-        self._stopped.set()
-        self._thread.join(5)
-
-    def _run(self):
-        while not self._stopped.wait(self._interval_s):
-            if self._on_round is not None:
-                try:
-                    self._on_round()
-                except Exception as e:  # the watcher must keep running: it also answers cancellations
-                    pb_utils.Logger.log_warn(f"prefillonly: watcher round failed: {e}")
-            with self._lock:
-                watched = list(self._watched.values())
-            for pending in watched:
-                if _still_waiting(pending) and _client_cancelled(pending):
-                    for f in pending.futures:
-                        f.cancel()  # a no-op on one already running: it finishes and is answered
-            if watched:
-                self._on_tick()
-
-
-def _still_waiting(pending) -> bool:
-    return any(not f.running() and not f.done() for f in pending.futures)
-
-
-def _client_cancelled(pending) -> bool:
-    try:
-        return pending.request.is_cancelled()
-    except Exception:  # the request was already released: nothing left to cancel
-        return False
-
-
-def _when_all_done(futures, callback):
-    """callback(results, error) once every future is done (results flattened, in order)."""
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def one_done(_):
-        with lock:
-            remaining[0] -= 1
-            if remaining[0]:
-                return
-        error = next((e for e in map(_error_of, futures) if e is not None), None)
-        results = []
-        if error is None:
-            for f in futures:
-                r = f.result()
-                results.extend(r if isinstance(r, list) else [r])
-        callback(results, error)
-
-    for f in futures:
-        f.add_done_callback(one_done)
-
-
-def _error_of(future):
-    return CancelledError() if future.cancelled() else future.exception()
 
 
 def _send_results(pending, results):
