@@ -1,20 +1,20 @@
 """Scheduler simulation (issue 4): the engine's Scheduler and PrefixIndex, a cost model instead of a model.
 
-    .venv/bin/python perf/simulate.py                 # full sweep (~1 min of one core)
-    .venv/bin/python perf/simulate.py --quick         # fewer loads, cpu-scale traces, prints only
-    .venv/bin/python perf/simulate.py --pick-cost-only
+    .venv/bin/python -m perf.simulate                 # full sweep (~1 min of one core)
+    .venv/bin/python -m perf.simulate --quick         # fewer loads, cpu-scale traces, prints only
+    .venv/bin/python -m perf.simulate --pick-cost-only
 
 A discrete-event simulation of N engines behind user-affinity routing (user -> engine by a
 stable hash). Each engine serves one request at a time, exactly as the engine's worker does:
 when idle and requests wait, it calls `Scheduler.pick()` (the same class, policies fcfs / sjf /
 csjf, with `clock=` the simulated clock and `cached_tokens=` its own PrefixIndex's match), then
-  * matches and pins the cached prefix blocks; cached = min(matched blocks x B, prompt - 1);
-  * reserves the blocks of the keep boundary (the trace's `cache_prefix_len`) that were not
-    cached, as PrefixCache.begin does (LRU leaf-first eviction inside PrefixIndex; blocks that
-    find no room are overflow and dropped);
+  * begins the request on its PrefixIndex (PrefixIndex.begin, the same call PrefixCache.begin
+    makes): matches and pins the cached prefix blocks, cached = min(matched blocks x B, prompt - 1),
+    reserves the blocks of the keep boundary (the trace's `cache_prefix_len`) that were not
+    cached (LRU leaf-first eviction; blocks that find no room are overflow and dropped);
   * runs for the TRUE cost model's time of (uncached, cached) tokens (optionally times seeded
     log-normal noise);
-  * on completion marks the new blocks ready, unpins everything (PrefixCache.commit) and feeds
+  * on completion commits (PrefixIndex.commit: the new blocks ready, everything unpinned) and feeds
     the service time to the scheduler's JctEstimator (`observe(uncached, cached, seconds)`),
     so CSJF's estimate is fitted online exactly as in the engine (seeded, as Engine._time_per_token
     does, with a cold 256-token forward's seconds per token: the paper's uncached-tokens proxy).
@@ -27,7 +27,7 @@ Cost models, both  t = a + b*u + k*u*(u + 2c)  (u = computed tokens, c = cached 
        measured points (cold 512 / 2048 / 8192 tokens at 3284 / 2185 / 1187 tok/s, "Engine core";
        a warm post-rec request, ~190 new tokens over a ~1.9K cached profile, ~0.2 s, "Prefix
        cache"): a = 0.048 s, b = 2.9e-4 s/token, k = 6.7e-8 s -> 8K cold ~ 6.9 s.
-  gpu  DESIGN.md §10: Llama-3.1-8B model FLOPs 2*N*u + 2*L*d*u*(2c + u), N = 7.0e9, L = 32,
+  gpu  docs/design.md §7: Llama-3.1-8B model FLOPs 2*N*u + 2*L*d*u*(2c + u), N = 7.0e9, L = 32,
        d = 4096, at an MFU (default 50%) of a peak (default the H200's 989 TFLOP/s dense bf16),
        plus an optional fixed time per request (default 0). KV bytes/token 2*L*8*128*2 = 128 KiB.
 
@@ -61,17 +61,16 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchutil as bu  # noqa: E402
-import workloads as wl  # noqa: E402
-
-from prefillonly.cache.index import PrefixIndex  # noqa: E402
-from prefillonly.errors import OverloadedError  # noqa: E402
-from prefillonly.scheduler import JctEstimator, Scheduler, WaitingRequest  # noqa: E402
+from perf import benchutil as bu
+from perf import workloads as wl
+from prefillonly.cache.index import PrefixIndex
+from prefillonly.config import EngineConfig
+from prefillonly.errors import OverloadedError
+from prefillonly.scheduler import DEFAULT_LAMBDA_TOKENS_PER_S, JctEstimator, Scheduler, WaitingRequest
 
 SECTION = "## Scheduler simulation (issue 4)"
 POLICIES = ("fcfs", "sjf", "csjf")
-DEFAULT_BLOCK = 64  # EngineConfig.cache_block_size
+DEFAULT_BLOCK = EngineConfig.default_of("cache_block_size")
 DEFAULT_LOADS = (0.25, 0.5, 0.75, 0.9, 1.0, 2.0, 3.0, 4.0)
 H200_PEAK_TFLOPS = 989.0
 LLAMA8B = dict(n_params=7.0e9, layers=32, attn_dim=4096, kv_bytes_per_token=2 * 32 * 8 * 128 * 2)
@@ -116,7 +115,7 @@ def gpu_cost_model(mfu: float = 0.5, peak_tflops: float = H200_PEAK_TFLOPS, fixe
     rate = mfu * peak_tflops * 1e12  # FLOP/s
     return CostModel("gpu", fixed_s, 2.0 * n_params / rate, 2.0 * layers * attn_dim / rate, context_factor,
                      LLAMA8B["kv_bytes_per_token"],
-                     f"Llama-3.1-8B model FLOPs (DESIGN.md §10) at {mfu:.0%} MFU of {peak_tflops:g} TFLOP/s")
+                     f"Llama-3.1-8B model FLOPs (docs/design.md §7) at {mfu:.0%} MFU of {peak_tflops:g} TFLOP/s")
 
 
 COST_MODELS = {"cpu": cpu_cost_model, "gpu": gpu_cost_model}
@@ -315,14 +314,14 @@ class SimEngine:
         self.eid = eid
         self.cost = cost
         self.block_size = block_size
-        self.index = PrefixIndex(cache_blocks)
+        self.index = PrefixIndex(cache_blocks, block_size=block_size)
         self.estimator = JctEstimator(fallback_s_per_token=fallback_s_per_token)
         self.scheduler = Scheduler(policy, self.estimator, self._cached_tokens, max_waiting=max_waiting,
                                    lambda_tokens_per_s=lambda_tokens_per_s, clock=clock)
         self.clock = clock
         self.rng, self.noise = rng, noise
         self.pick_s_per_waiting = pick_s_per_waiting
-        self.running = None  # (WaitingRequest, matched, new, uncached, cached, seconds, start)
+        self.running = None  # (WaitingRequest, IndexTicket, uncached, cached, seconds, start, pick_s)
         self.picks = 0
         self.max_waiting_seen = 0
 
@@ -338,33 +337,24 @@ class SimEngine:
             return None
         self.picks += 1
         sr: SimRequest = req.payload
-        b, index, stats = self.block_size, self.index, self.index.stats
-        # PrefixCache.begin: match + pin, reserve the keep boundary's uncached blocks
-        matched = index.match(req.block_hashes)
-        index.pin(matched)
-        cached = min(len(matched) * b, sr.prompt_tokens - 1)
-        new = []
-        if cached == len(matched) * b:
-            parent = matched[-1].hash if matched else None
-            new, _moves = index.reserve_chain(req.block_hashes[len(matched): sr.keep_len // b], parent)  # single tier: no moves
-        stats.lookups += 1
-        stats.hit_tokens += cached
-        stats.miss_tokens += sr.prompt_tokens - cached
+        # what PrefixCache.begin does, less the tensors: match + pin, reserve the keep boundary's
+        # uncached blocks, the hit statistics (one tier: no data moves to execute)
+        ticket, _moves = self.index.begin(req.block_hashes, sr.prompt_tokens, sr.keep_len)
+        cached = ticket.cached_tokens
         uncached = sr.prompt_tokens - cached
         seconds = self.cost.seconds(uncached, cached)
         if self.noise:
             seconds *= float(np.exp(self.rng.normal(-0.5 * self.noise**2, self.noise)))
         pick_s = self.pick_s_per_waiting * waiting  # the pick runs on the worker before the forward
         now = self.clock()
-        self.running = (req, matched, new, uncached, cached, seconds, now, pick_s)
+        self.running = (req, ticket, uncached, cached, seconds, now, pick_s)
         return now + pick_s + seconds
 
     def finish(self) -> Record:
         """PrefixCache.commit + the engine's estimator feedback."""
-        req, matched, new, uncached, cached, seconds, start, pick_s = self.running
+        req, ticket, uncached, cached, seconds, start, pick_s = self.running
         self.running = None
-        self.index.mark_ready(new)
-        self.index.unpin(matched + new)
+        self.index.commit(ticket)
         self.estimator.observe(uncached, cached, seconds)  # the forward's time, as the engine measures it
         sr: SimRequest = req.payload
         return Record(sr.request_id, self.eid, sr.arrival_s, start, self.clock(), seconds, cached, uncached, pick_s)
@@ -375,7 +365,7 @@ class SimConfig:
     policy: str = "csjf"
     engines: int = 1
     cache_blocks: int | None = None  # per engine; None = room for every block the requests could keep
-    lambda_tokens_per_s: float = 500.0
+    lambda_tokens_per_s: float = DEFAULT_LAMBDA_TOKENS_PER_S
     fallback_s_per_token: float | None = None  # the estimate until a fit exists; None = as the engine seeds it:
     # one cold 256-token forward's seconds per token (Engine._time_per_token), here from the cost model
     max_waiting: int | None = None  # None = unbounded (never refuse)
@@ -473,8 +463,7 @@ def simulate(requests: list[SimRequest], cost: CostModel, cfg: SimConfig, block_
             eid = router.route(r.user, [len(e.scheduler) + (e.running is not None) for e in engines] if cfg.engines > 1 else [0])
             routes.setdefault(r.user, set()).add(eid)
             try:
-                engines[eid].scheduler.add(WaitingRequest(prompt_tokens=r.prompt_tokens, block_hashes=r.block_keys,
-                                                          user=str(r.user), payload=r))
+                engines[eid].scheduler.add(WaitingRequest(prompt_tokens=r.prompt_tokens, block_hashes=r.block_keys, payload=r))
             except OverloadedError:
                 rejected.append(r.request_id)
                 continue
@@ -596,7 +585,7 @@ def measure_pick_cost(sizes=(1000, 5000), block_size: int = DEFAULT_BLOCK, reps:
                 for j in range(size):
                     r = pool[j % len(pool)]
                     clock.now = j * 1e-3
-                    sched.add(WaitingRequest(prompt_tokens=r.prompt_tokens, block_hashes=r.block_keys, user=str(r.user), payload=r))
+                    sched.add(WaitingRequest(prompt_tokens=r.prompt_tokens, block_hashes=r.block_keys, payload=r))
                 times = []
                 for _ in range(reps):
                     t0 = time.perf_counter()
@@ -661,7 +650,7 @@ def render(data: dict) -> str:
                   f"{sc['cache_blocks_per_engine']:,} blocks/engine (all profiles: {sc['profile_blocks']:,}); "
                   f"hit rate with perfect caching {sc['ideal_hit_rate']:.1%}"
                   + (f"; users per engine {users}" if users and len(users) > 1 else "")
-                  + (f"; pick charged per waiting request: " + ", ".join(f"{p} {v * 1e6:.2f} µs" for p, v in sc["pick_s_per_waiting"].items())
+                  + ("; pick charged per waiting request: " + ", ".join(f"{p} {v * 1e6:.2f} µs" for p, v in sc["pick_s_per_waiting"].items())
                      if sc.get("pick_s_per_waiting") else "") + ".", ""]
         policies = [p for p in POLICIES if any(r["policy"] == p for r in sc["runs"])]
         header = ["load", "QPS"] + [f"{p.upper()} mean" for p in policies] + [f"{p.upper()} P99" for p in policies] \

@@ -10,29 +10,29 @@ import argparse
 import json
 import logging
 import sys
+from dataclasses import fields
 
-from .config import EngineConfig, default_cache_dir
+from .config import EngineConfig
 from .errors import PrefillOnlyError
+
+# The EngineConfig settings `score` takes as flags (--chunk-size for chunk_size), in --help order;
+# each flag's default and help come from the field.
+_ENGINE_FLAGS = ("model", "dtype", "device", "chunk_size", "max_input_len", "activation_budget_bytes", "threads",
+                 "attention_backend", "cache_dir")
+
+
+def _engine_flag(p: argparse.ArgumentParser, name: str) -> None:
+    help_text = next(f.metadata.get("help") for f in fields(EngineConfig) if f.name == name)
+    p.add_argument("--" + name.replace("_", "-"), default=EngineConfig.default_of(name), help=help_text)
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF checkpoint folder (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | float16 (CUDA)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--chunk-size", default="2048", help="tokens per chunk; 0 = no chunking")
-    p.add_argument("--max-input-len", default=None)
-    p.add_argument("--activation-budget-bytes", default=None)
-    p.add_argument("--threads", default=None)
-    p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--cache-dir", default=default_cache_dir())
+    for name in _ENGINE_FLAGS:
+        _engine_flag(p, name)
 
 
 def _config(a: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=a.model, dtype=a.dtype, device=a.device, chunk_size=a.chunk_size, max_input_len=a.max_input_len,
-        activation_budget_bytes=a.activation_budget_bytes, threads=a.threads,
-        attention_backend=a.attention_backend, cache_dir=a.cache_dir,
-    )
+    return EngineConfig(**{name: getattr(a, name) for name in _ENGINE_FLAGS})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _engine_args(s)
     p = sub.add_parser("prepare", help="convert the embedded default model and build the CPU kernels, once")
-    p.add_argument("--cache-dir", default=default_cache_dir())
+    _engine_flag(p, "cache_dir")
     a = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 

@@ -7,7 +7,7 @@ The Triton model and the CLI build it from their own inputs (strings allowed: "b
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 import torch
 
@@ -30,10 +30,12 @@ def default_cache_dir() -> str:
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # HF checkpoint folder; None = the embedded SmolLM2-135M-Instruct
-    dtype: str = "bfloat16"  # float32 | bfloat16 | float16 (float16 on CUDA only)
+    # The one place each engine default is written: the scheduler, the CLI and the simulator read
+    # theirs with EngineConfig.default_of(name); a field's "help" metadata is its CLI help.
+    model: str | None = field(default=None, metadata={"help": "HF checkpoint folder (default: embedded SmolLM2-135M-Instruct)"})
+    dtype: str = field(default="bfloat16", metadata={"help": "float32 | bfloat16 | float16 (CUDA)"})  # float16 on CUDA only
     device: str = "cpu"  # cpu | cuda | cuda:N
-    chunk_size: int | None = 2048  # tokens per per-token chunk; None or 0 = no chunking
+    chunk_size: int | None = field(default=2048, metadata={"help": "tokens per chunk; 0 = no chunking"})  # per-token ops; None = no chunking too
     max_input_len: int | None = None  # None = the model's context length; larger is an explicit override
     activation_budget_bytes: int | None = None  # one request's transient peak; None = 90% of free memory at start
     threads: int | None = None  # torch intra-op threads (CPU); None = torch's default
@@ -46,7 +48,7 @@ class EngineConfig:
     max_allowed_tokens: int = 256  # most allowed output tokens in one request
     max_prompt_bytes: int | None = None  # bytes of one prompt/item text; None = max_input_len x the longest token's bytes
     scheduling_policy: str = "csjf"  # fcfs | sjf | csjf (continuous JCT-calibrated shortest job first)
-    lambda_tokens_per_s: float = 500.0  # csjf starvation guard: tokens of credit per second waited
+    lambda_tokens_per_s: float = 500.0  # csjf starvation guard (the paper's): tokens of credit per second waited
     max_waiting: int = 1024  # waiting requests beyond this are refused at once ("overloaded")
     max_batch_tokens: int | None = None  # uncached tokens one forward step may pack; None = the device's default; 1 = no batching
     cache_dir: str = field(default_factory=default_cache_dir)  # converted default model
@@ -111,6 +113,14 @@ class EngineConfig:
         if self.max_batch_tokens is not None:
             return self.max_batch_tokens
         return DEFAULT_MAX_BATCH_TOKENS["cuda" if self.device.startswith("cuda") else "cpu"]
+
+    @classmethod
+    def default_of(cls, name: str):
+        """The default of setting `name` (a default_factory's value as of now)."""
+        f = next((f for f in fields(cls) if f.name == name), None)
+        if f is None:
+            raise KeyError(f"EngineConfig has no setting {name!r}")
+        return f.default_factory() if f.default_factory is not MISSING else f.default
 
     @classmethod
     def from_strings(cls, values: dict[str, str]) -> "EngineConfig":

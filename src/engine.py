@@ -130,7 +130,7 @@ class Engine:
         namespace = check_namespace(cache_namespace, user)
         check_length(len(ids), self.max_input_len)
         request = ScoreRequest(ids, allowed_ids, top_k, keep, namespace)
-        return self._enqueue(request, priority, deadline_s, user)
+        return self._enqueue(request, priority, deadline_s)
 
     def submit_items(self, prompt, items, allowed_tokens, *, item_template: str | None = None, top_k: int = 0,
                      apply_chat_template: bool = False, cache_prefix_len: int | None = None,
@@ -153,7 +153,7 @@ class Engine:
         namespace = check_namespace(cache_namespace, user)
         check_length(len(shared) + max(len(x) for x in item_ids), self.max_input_len)
         request = ScoreRequest(shared, allowed_ids, top_k, keep, namespace, item_ids=item_ids)
-        return self._enqueue(request, priority, deadline_s, user)
+        return self._enqueue(request, priority, deadline_s)
 
     def score(self, prompt, allowed_tokens, **kwargs) -> ScoreResult:
         """submit(...).result(): the probabilities of the allowed tokens after `prompt`."""
@@ -200,7 +200,7 @@ class Engine:
         self.close()
 
     # -- request loop -------------------------------------------------------------------
-    def _enqueue(self, request: ScoreRequest, priority, deadline_s, user) -> Future:
+    def _enqueue(self, request: ScoreRequest, priority, deadline_s) -> Future:
         priority = check_priority(priority)
         deadline = check_deadline(deadline_s)
         if self.cache is not None:
@@ -208,7 +208,7 @@ class Engine:
         fut = RequestFuture()
         block = self.config.cache_block_size
         req = WaitingRequest(prompt_tokens=request.total_tokens, block_hashes=request.block_hashes, priority=priority,
-                             user=user, payload=_Pending(fut, request), kept_blocks=request.keep_len // block,
+                             payload=_Pending(fut, request), kept_blocks=request.keep_len // block,
                              runs_alone=request.runs_alone)
         with self._cv:
             if self._closed:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache.prefix_kv import CaptureSink, KVSink, PrefixKV, PrefixSource, Sinks
+from .prefix_io import CaptureSink, KVSink, PrefixKV, PrefixSource, Sinks
 from .kernels.ops import add_rms_norm_, rms_norm_needs_scratch, rope_qkv_into, rope_table_dtype
 from .kernels import add_linear_, causal_attention, causal_attention_inplace, linear_into, rms_norm_into, swiglu_into
 from .kernels import triton_support

@@ -1,4 +1,4 @@
-"""Peak memory of one request: the engine's prediction and the measurement (DESIGN.md §10).
+"""Peak memory of one request: the engine's prediction and the measurement (docs/design.md §7).
 
 Prediction mirrors the executor's allocations (see executor.py): full-length buffers of the
 request plus the larger of attention's and one chunk's temporaries. Measurement is what every

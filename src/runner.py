@@ -23,7 +23,7 @@ import torch
 
 from .cache import PrefixCache
 from .cache.prefix_cache import CacheTicket
-from .cache.prefix_kv import PrefixKV
+from .prefix_io import PrefixKV
 from .errors import OverBudgetError
 from .executor import ForwardBatch, HybridPrefillExecutor, Sequence
 from .kernels.attention import inplace_attention_supported
@@ -176,6 +176,8 @@ class PrefillRunner:
                 ForwardBatch([Sequence(torch.tensor(items[j], dtype=torch.long), prefix=shared_kv) for j in group]),
                 self.chunk_size, inplace_items)
             peak = self.meter.peak_growth()
+            # items never go through the prefix cache, so its miss count leaves them out: counted here
+            self.counters["item_tokens_computed"] += sum(len(items[j]) for j in group)
             results += [build_result(out.logits[g], request.allowed_ids, request.top_k, self.token_text,
                                      len(shared) + len(items[j]), p, peak) for g, j in enumerate(group)]
         return results

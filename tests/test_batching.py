@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from prefillonly import DeadlineExceededError, Engine, EngineConfig
-from prefillonly.cache.prefix_kv import PrefixKV
+from prefillonly.prefix_io import PrefixKV
 from prefillonly.executor import ForwardBatch, HybridPrefillExecutor, Sequence
 from prefillonly.model_spec import ModelSpec
 from prefillonly.scheduler import JctEstimator, Scheduler, WaitingRequest

@@ -46,3 +46,23 @@ def test_unsupported_architecture_is_named(tmp_path):
 def test_folder_without_config(tmp_path):
     with pytest.raises(ConfigError, match="no config.json"):
         ModelSpec.from_folder(str(tmp_path))
+
+
+def test_engine_config_is_the_one_home_of_the_defaults():
+    """The scheduler, the simulator and the CLI take their defaults from EngineConfig's fields."""
+    import argparse
+
+    from perf import simulate as sim
+    from prefillonly import cli
+    from prefillonly.scheduler import JctEstimator, Scheduler
+
+    config = EngineConfig()
+    scheduler = Scheduler("csjf", JctEstimator(), lambda r: 0)
+    assert (scheduler.max_waiting, scheduler.lambda_tokens_per_s) == (config.max_waiting, config.lambda_tokens_per_s)
+    assert sim.SimConfig().lambda_tokens_per_s == config.lambda_tokens_per_s and sim.DEFAULT_BLOCK == config.cache_block_size
+    parser = argparse.ArgumentParser()
+    cli._engine_args(parser)
+    assert cli._config(parser.parse_args([])) == config  # every flag's default is the field's
+    assert EngineConfig.default_of("cache_dir") == config.cache_dir
+    with pytest.raises(KeyError, match="no setting 'max_wait'"):
+        EngineConfig.default_of("max_wait")

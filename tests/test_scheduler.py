@@ -6,6 +6,7 @@ import random
 import threading
 import time
 from concurrent.futures import CancelledError
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -38,8 +39,15 @@ def make(policy, cached=None, **kw):
     return s, clock, cached
 
 
+@dataclass(eq=False)
+class LabelledRequest(WaitingRequest):
+    """A waiting request with a name the tests pick by (and key the fake cache on)."""
+
+    user: str | None = None
+
+
 def req(tokens, user=None, priority=0):
-    return WaitingRequest(prompt_tokens=tokens, user=user, priority=priority)
+    return LabelledRequest(prompt_tokens=tokens, user=user, priority=priority)
 
 
 # -- policies -------------------------------------------------------------------------------

@@ -3,15 +3,12 @@ Scheduler and PrefixIndex with a cost model)."""
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
-import simulate as sim  # noqa: E402
-import workloads as wl  # noqa: E402
+from perf import simulate as sim
+from perf import workloads as wl
 
 SMALL_POST_REC = wl.PostRecScale(users=8, posts_per_user=10, profile_mean=2000)
 SMALL_CREDIT = wl.CreditScale(requests=12, length_mean=6000)
@@ -226,3 +223,40 @@ def test_render_and_plot_smoke(tmp_path):
     text = sim.render(doc)
     assert "At 0.9× saturation" in text and "CSJF mean" in text
     assert sim.plot(doc, tmp_path / "p.png") and (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_sim_engine_caches_exactly_as_the_engines_prefix_cache():
+    """SimEngine and PrefixCache run the same PrefixIndex.begin/commit: the same requests in the
+    same order get the same cached tokens and leave the same statistics, evictions and overflow
+    included (a tight cache, users interleaved)."""
+    import random
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from prefillonly.cache import PrefixCache
+    from prefillonly.cache.kv_pool import KVPool
+
+    work = sim.post_rec_workload(SMALL_POST_REC, seed=3)
+    reqs = list(work.requests)
+    random.Random(0).shuffle(reqs)
+    blocks = 30  # under one profile's blocks for some users: evictions and overflow happen
+    spec = SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=1)
+    block_bytes = KVPool.bytes_per_block(1, 1, work.block_size, 1, torch.float32)
+    cache = PrefixCache(spec, torch.float32, torch.device("cpu"), work.block_size, blocks * block_bytes)
+    clock = sim._Clock()
+    engine = sim.SimEngine(0, "fcfs", sim.gpu_cost_model(), work.block_size, blocks, clock, 500.0, 1e-4, len(reqs) + 1,
+                           np.random.default_rng(0), 0.0)
+    simulated, real = [], []
+    for r in reqs:
+        engine.scheduler.add(sim.WaitingRequest(prompt_tokens=r.prompt_tokens, block_hashes=r.block_keys, payload=r))
+        clock.now = engine.start_next()
+        simulated.append(engine.finish().cached)
+        ticket = cache.begin(r.block_keys, r.prompt_tokens, r.keep_len)
+        real.append(ticket.cached_tokens)
+        cache.commit(ticket)
+    assert simulated == real and sum(real) > 0
+    assert vars(engine.index.stats) == vars(cache.stats)
+    assert cache.stats.blocks_evicted > 0 and cache.stats.overflow_blocks > 0 and cache.stats.hit_tokens == sum(real)
+    assert set(engine.index.blocks) == set(cache.index.blocks)

@@ -1,14 +1,14 @@
 """Prefix K/V kept across requests (suffix K/V is never stored).
 
 block_hash.py  chained block keys (model + namespace rooted)
-index.py       PrefixIndex: tensor-free bookkeeping (hashes, refs, LRU, tiers)
+index.py       PrefixIndex: tensor-free bookkeeping (hashes, refs, LRU, tiers) and the
+               tensor-free half of a request's begin/commit/abort (match, pin, keep rule, stats)
 kv_pool.py     KVPool: preallocated K/V slots
-prefix_cache.py PrefixCache: begin/commit/abort around one forward
-prefix_kv.py   PrefixKV and the source/sink protocols the executor uses
+prefix_cache.py PrefixCache: begin/commit/abort around one forward, with the pool-backed
+               source and sink of the executor's protocols (prefix_io.py)
 """
 
-from .index import CacheStats, PrefixIndex
+from .index import CacheStats, IndexTicket, PrefixIndex
 from .prefix_cache import CacheTicket, PrefixCache
-from .prefix_kv import CaptureSink, PrefixKV
 
-__all__ = ["CacheStats", "PrefixIndex", "CacheTicket", "PrefixCache", "CaptureSink", "PrefixKV"]
+__all__ = ["CacheStats", "IndexTicket", "PrefixIndex", "CacheTicket", "PrefixCache"]

@@ -1,7 +1,12 @@
 """PrefixIndex: which prefix blocks are cached where, with no tensors in it.
 
 The scheduler and the simulator use it without a model; PrefixCache pairs it with the K/V
-pools and executes the data moves it returns.
+pools and executes the data moves it returns. A request's cache lifecycle lives here, tensor-free,
+so that the engine's cache and the simulator's run the same rules:
+
+    ticket, moves = index.begin(hashes, prompt_len, keep_len)   # match + pin, reserve the blocks to keep
+    ... (the caller executes `moves`, computes, fills ticket.new) ...
+    index.commit(ticket)   (or index.abort(ticket) if the forward failed)
 
 Tiers: 1 = the primary pool (next to the compute), 2 = the optional second tier (host
 memory on CUDA). Invariants:
@@ -53,8 +58,18 @@ class CacheStats:
     overflow_blocks: int = 0  # wanted to keep, no room (discarded, never an error)
 
 
+@dataclass
+class IndexTicket:
+    """A request's hold on the index from begin to commit or abort."""
+
+    cached_tokens: int  # P: prompt tokens whose K/V is read from the cache
+    matched: list[Block]  # pinned cached blocks covering [0, P) (last one maybe partly used)
+    new: list[Block]  # reserved blocks the forward will fill, right after the matched ones
+
+
 class PrefixIndex:
-    def __init__(self, tier1_slots: int, tier2_slots: int = 0):
+    def __init__(self, tier1_slots: int, tier2_slots: int = 0, block_size: int = 0):
+        self.block_size = block_size  # tokens per block: begin() needs it (the low-level calls do not)
         self.blocks: dict[bytes, Block] = {}
         self.capacity = {1: tier1_slots, 2: tier2_slots}
         self._free = {1: list(range(tier1_slots - 1, -1, -1)), 2: list(range(tier2_slots - 1, -1, -1))}
@@ -108,6 +123,72 @@ class PrefixIndex:
             assert b.refs >= 0
             b.last_used = tick
             self._refresh(b)
+
+    # -- a request's lifecycle -----------------------------------------------------------------
+    def begin(self, hashes: list[bytes], prompt_len: int, keep_len: int) -> tuple[IndexTicket, list[Move]]:
+        """Match and pin the cached prefix of a prompt of `prompt_len` tokens whose block keys
+        are `hashes`, reserve the new blocks to keep (those inside the first keep_len tokens).
+        Returns the ticket and the data moves to execute, in order, before any block is written."""
+        tickets, moves = self.begin_many([(hashes, prompt_len, keep_len)])
+        return tickets[0], moves
+
+    def begin_many(self, prompts: list[tuple[list[bytes], int, int]]) -> tuple[list[IndexTicket], list[Move]]:
+        """begin() for the prompts of one forward step, [(hashes, prompt_len, keep_len)]: every
+        prompt's matched blocks are pinned before any block is restored or reserved, so that
+        one member's evictions never take a block another member was promised."""
+        if self.block_size < 1:
+            raise ValueError("begin() needs the index's block_size (PrefixIndex(..., block_size=B))")
+        moves: list[Move] = []
+        matched = [self.match(hashes) for hashes, _, _ in prompts]
+        for m in matched:
+            self.pin(m)
+        for i, m in enumerate(matched):
+            if not self._restore_to_tier1(m, moves):  # tier 1 too small to hold the matched chain: use what is in tier 1
+                first_off = next((j for j, blk in enumerate(m) if blk.tier != 1), len(m))
+                self.unpin(m[first_off:])
+                matched[i] = m[:first_off]
+        tickets = [self._reserve_new(hashes, prompt_len, keep_len, m, moves)
+                   for (hashes, prompt_len, keep_len), m in zip(prompts, matched)]
+        return tickets, moves
+
+    def commit(self, ticket: IndexTicket) -> None:
+        """The forward wrote the new blocks: they become matchable; release the ticket's pins."""
+        self.mark_ready(ticket.new)
+        self.unpin(ticket.matched + ticket.new)
+
+    def abort(self, ticket: IndexTicket) -> None:
+        """The forward did not run or failed: release the pins, forget the unwritten blocks."""
+        self.unpin(ticket.matched)
+        self.discard(ticket.new)
+
+    def _restore_to_tier1(self, matched: list[Block], moves: list[Move]) -> bool:
+        """Bring the matched blocks that sit in tier 2 back (their moves appended to `moves`);
+        False if tier 1 has no room."""
+        for blk in matched:
+            if blk.tier == 1:
+                continue
+            needed = self.restore(blk)
+            if needed is None:
+                return False
+            moves += needed
+        return True
+
+    def _reserve_new(self, hashes: list[bytes], prompt_len: int, keep_len: int, matched: list[Block],
+                     moves: list[Move]) -> IndexTicket:
+        """The keep rule and the hit statistics: at least one token is always computed; the
+        blocks inside the keep boundary that are not cached are reserved (those that find no
+        room are overflow)."""
+        b = self.block_size
+        cached = min(len(matched) * b, prompt_len - 1)
+        new: list[Block] = []
+        if cached == len(matched) * b:  # else everything is cached already
+            parent = matched[-1].hash if matched else None
+            new, needed = self.reserve_chain(hashes[len(matched) : keep_len // b], parent)
+            moves += needed
+        self.stats.lookups += 1
+        self.stats.hit_tokens += cached
+        self.stats.miss_tokens += prompt_len - cached
+        return IndexTicket(cached_tokens=cached, matched=matched, new=new)
 
     # -- changes ----------------------------------------------------------------------------
     def reserve(self, h: bytes, parent: bytes | None) -> tuple[Block | None, list[Move]]:

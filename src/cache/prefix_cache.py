@@ -1,4 +1,4 @@
-"""PrefixCache: keep the K/V of prompt prefixes worth keeping, never the rest (DESIGN.md §2).
+"""PrefixCache: keep the K/V of prompt prefixes worth keeping, never the rest (docs/design.md §3).
 
 Per request:
     ticket = cache.begin(cache.hashes(ids, namespace), len(ids), keep_len)   # match + pin, reserve new ones
@@ -18,21 +18,23 @@ from dataclasses import dataclass
 
 import torch
 
+from ..prefix_io import KVSink, PrefixSource
 from .block_hash import block_hashes, namespace_root
-from .index import Block, CacheStats, Move, PrefixIndex
+from .index import Block, CacheStats, IndexTicket, Move, PrefixIndex
 from .kv_pool import KVPool
 
 
 @dataclass
-class CacheTicket:
-    cached_tokens: int  # P: prompt tokens whose K/V is loaded from the cache
-    matched: list[Block]  # pinned cached blocks covering [0, P) (last one maybe partly used)
-    new: list[Block]  # reserved blocks the forward will fill, right after the matched ones
-    source: object = None
-    sink: object = None
+class CacheTicket(IndexTicket):
+    """The index's ticket (cached_tokens, matched, new) with the executor's view of its blocks."""
+
+    source: PrefixSource | None = None  # reads the matched blocks from the pool (None: nothing cached)
+    sink: KVSink | None = None  # writes the new blocks into their reserved slots (None: none to keep)
 
 
 class _PoolSource:
+    """A PrefixSource over pool slots (read in place by the Triton kernel, loaded elsewhere)."""
+
     def __init__(self, pool: KVPool, slots: torch.Tensor, length: int):
         self.pool, self.slots, self.length = pool, slots, length
 
@@ -44,7 +46,7 @@ class _PoolSource:
 
 
 class _PoolSink:
-    """Writes positions [start, start + n_blocks * B) of each layer into the reserved slots."""
+    """A KVSink that writes positions [start, start + n_blocks * B) of each layer into the reserved slots."""
 
     def __init__(self, pool: KVPool, slots: torch.Tensor, start: int):
         self.pool, self.slots, self.start = pool, slots, start
@@ -68,7 +70,7 @@ class PrefixCache:
         if tier2:
             # on CUDA the second tier is pinned host memory (async copies); on CPU another pool
             self.pools[2] = make(tier2, torch.device("cpu"), device.type == "cuda")
-        self.index = PrefixIndex(tier1, tier2)
+        self.index = PrefixIndex(tier1, tier2, block_size)
         self.device = device
 
     @property
@@ -96,60 +98,29 @@ class PrefixCache:
         return self.begin_many([(hashes, prompt_len, keep_len)])[0]
 
     def begin_many(self, prompts: list[tuple[list[bytes], int, int]]) -> list[CacheTicket]:
-        """begin() for the prompts of one forward step, [(hashes, prompt_len, keep_len)]: every
-        prompt's matched blocks are pinned before any block is restored or reserved, so that
-        one member's evictions never take a block another member was promised."""
-        matched = [self.index.match(hashes) for hashes, _, _ in prompts]
-        for m in matched:
-            self.index.pin(m)
-        for i, m in enumerate(matched):
-            if not self._restore_to_tier1(m):  # tier 1 too small to hold the matched chain: use what is in tier 1
-                first_off = next((j for j, blk in enumerate(m) if blk.tier != 1), len(m))
-                self.index.unpin(m[first_off:])
-                matched[i] = m[:first_off]
-        return [self._reserve(hashes, prompt_len, keep_len, m) for (hashes, prompt_len, keep_len), m in zip(prompts, matched)]
-
-    def _reserve(self, hashes: list[bytes], prompt_len: int, keep_len: int, matched: list[Block]) -> CacheTicket:
-        b = self.block_size
-        stats = self.index.stats
-        cached = min(len(matched) * b, prompt_len - 1)
-        new: list[Block] = []
-        if cached == len(matched) * b:  # else everything is cached already
-            parent = matched[-1].hash if matched else None
-            new, moves = self.index.reserve_chain(hashes[len(matched) : keep_len // b], parent)
-            self._execute(moves)  # the evictions' copies, before any new block is written
-        stats.lookups += 1
-        stats.hit_tokens += cached
-        stats.miss_tokens += prompt_len - cached
-        ticket = CacheTicket(cached_tokens=cached, matched=matched, new=new)
-        if cached:
-            ticket.source = _PoolSource(self.pools[1], self._slots(matched), cached)
-        if new:
-            ticket.sink = _PoolSink(self.pools[1], self._slots(new), len(matched) * b)
-        return ticket
+        """begin() for the prompts of one forward step, [(hashes, prompt_len, keep_len)]
+        (PrefixIndex.begin_many: the match, the pins, the keep rule and the statistics)."""
+        tickets, moves = self.index.begin_many(prompts)
+        self._execute(moves)  # the restores' and evictions' copies, in order, before any new block is written
+        return [self._with_pool(t) for t in tickets]
 
     def commit(self, ticket: CacheTicket) -> None:
-        self.index.mark_ready(ticket.new)
-        self.index.unpin(ticket.matched + ticket.new)
+        self.index.commit(ticket)
 
     def abort(self, ticket: CacheTicket) -> None:
-        self.index.unpin(ticket.matched)
-        self.index.discard(ticket.new)
+        self.index.abort(ticket)
+
+    def _with_pool(self, t: IndexTicket) -> CacheTicket:
+        ticket = CacheTicket(cached_tokens=t.cached_tokens, matched=t.matched, new=t.new)
+        if t.cached_tokens:
+            ticket.source = _PoolSource(self.pools[1], self._slots(t.matched), t.cached_tokens)
+        if t.new:
+            ticket.sink = _PoolSink(self.pools[1], self._slots(t.new), len(t.matched) * self.block_size)
+        return ticket
 
     # -- internals -----------------------------------------------------------------------
     def _slots(self, blocks: list[Block]) -> torch.Tensor:
         return torch.tensor([blk.slot for blk in blocks], dtype=torch.long, device=self.device)
-
-    def _restore_to_tier1(self, matched: list[Block]) -> bool:
-        """Bring the matched blocks that sit in tier 2 back; False if tier 1 has no room."""
-        for blk in matched:
-            if blk.tier == 1:
-                continue
-            moves = self.index.restore(blk)
-            if moves is None:
-                return False
-            self._execute(moves)
-        return True
 
     def _execute(self, moves: list[Move]) -> None:
         for m in moves:

@@ -6,6 +6,7 @@ the same code with a cost model instead of a model.
 """
 
 from .jct import JctCoefficients, JctEstimator
-from .policy import DEFAULT_LAMBDA_TOKENS_PER_S, POLICIES, Scheduler, WaitingRequest
+from .policy import DEFAULT_LAMBDA_TOKENS_PER_S, DEFAULT_MAX_WAITING, POLICIES, Scheduler, WaitingRequest
 
-__all__ = ["JctCoefficients", "JctEstimator", "DEFAULT_LAMBDA_TOKENS_PER_S", "POLICIES", "Scheduler", "WaitingRequest"]
+__all__ = ["JctCoefficients", "JctEstimator", "DEFAULT_LAMBDA_TOKENS_PER_S", "DEFAULT_MAX_WAITING", "POLICIES", "Scheduler",
+           "WaitingRequest"]

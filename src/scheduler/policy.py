@@ -1,4 +1,4 @@
-"""Which waiting request runs next (DESIGN.md §2, "continuous JCT calibration").
+"""Which waiting request runs next (docs/design.md §4, "continuous JCT calibration").
 
   fcfs  arrival order.
   sjf   shortest estimated job first, the estimate frozen at arrival (plain SJF: it cannot
@@ -24,11 +24,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..config import EngineConfig
 from ..errors import OverloadedError
 from .jct import JctEstimator
 
 POLICIES = ("fcfs", "sjf", "csjf")
-DEFAULT_LAMBDA_TOKENS_PER_S = 500.0  # the paper's starvation guard
+# the engine's defaults, for callers that build a Scheduler without an EngineConfig
+DEFAULT_LAMBDA_TOKENS_PER_S = EngineConfig.default_of("lambda_tokens_per_s")
+DEFAULT_MAX_WAITING = EngineConfig.default_of("max_waiting")
 
 
 @dataclass(eq=False)
@@ -37,7 +40,6 @@ class WaitingRequest:
     block_hashes: list = field(default_factory=list)  # the prompt's prefix-cache keys, hashed once
     priority: int = 0
     deadline: float | None = None  # clock() time after which it must not start
-    user: str | None = None
     payload: object = None  # what the engine runs; opaque here
     kept_blocks: int = 0  # leading blocks of block_hashes the request will keep in the cache
     runs_alone: bool = False  # never batched with other requests (e.g. multi-item)
@@ -50,7 +52,7 @@ class Scheduler:
     """The waiting set and the pick. Not thread-safe: the engine calls it under its lock."""
 
     def __init__(self, policy: str, estimator: JctEstimator, cached_tokens: Callable[[WaitingRequest], int],
-                 max_waiting: int = 4096, lambda_tokens_per_s: float = DEFAULT_LAMBDA_TOKENS_PER_S,
+                 max_waiting: int = DEFAULT_MAX_WAITING, lambda_tokens_per_s: float = DEFAULT_LAMBDA_TOKENS_PER_S,
                  clock: Callable[[], float] = time.monotonic, block_size: int = 0):
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {', '.join(POLICIES)}")

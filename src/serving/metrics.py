@@ -13,6 +13,17 @@ from __future__ import annotations
 import threading
 import time
 
+
+def computed_prompt_tokens(stats: dict) -> int:
+    """Prompt tokens the engine computed (the "computed" source of prefillonly_prompt_tokens_total):
+    with a prefix cache its misses (every prompt's and shared prompt's uncached tokens) plus the
+    items of multi-item requests, which never go through the cache; without one, every token the
+    executor ran."""
+    if "cache" in stats:
+        return stats["cache"]["miss_tokens"] + stats.get("item_tokens_computed", 0)
+    return stats["tokens_computed"]
+
+
 # (name, kind, description, labels -> function of stats returning the value)
 _METRICS = [
     ("prefillonly_waiting_requests", "GAUGE", "Requests waiting in the engine's queue", {(): lambda s: s["waiting"]}),
@@ -25,7 +36,7 @@ _METRICS = [
         (("outcome", "engine_closed"),): lambda s: s.get("rejected:engine_closed", 0),
     }),
     ("prefillonly_prompt_tokens_total", "COUNTER", "Prompt tokens computed vs served from the prefix cache", {
-        (("source", "computed"),): lambda s: s.get("cache", {}).get("miss_tokens", s["tokens_computed"]),
+        (("source", "computed"),): computed_prompt_tokens,
         (("source", "cache"),): lambda s: s.get("cache", {}).get("hit_tokens", 0),
     }),
     ("prefillonly_cache_bytes", "GAUGE", "Prefix-cache bytes in use per tier", {

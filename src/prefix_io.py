@@ -1,9 +1,10 @@
-"""How K/V of a prompt prefix flows into and out of the executor.
+"""How K/V of a prompt prefix flows into and out of the executor (the executor owns these).
 
 The executor asks a *source* to fill the first P positions of each layer's K/V buffers
 (cached prefix) and offers each layer's freshly computed K/V to a *sink* (blocks to keep).
 PrefixKV is the plain in-memory form (a list of per-layer tensors), used for multi-item
-scoring's shared prompt and in tests; the prefix cache provides pool-backed ones.
+scoring's shared prompt and in tests; the prefix cache (cache/prefix_cache.py) implements
+pool-backed ones.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class CaptureSink:
 class Sinks:
     """Several sinks behind one (e.g. the prefix cache's and a multi-item capture)."""
 
-    def __init__(self, *sinks):
+    def __init__(self, *sinks: KVSink | None):
         self.sinks = [s for s in sinks if s is not None]
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
