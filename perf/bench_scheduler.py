@@ -1,4 +1,4 @@
-"""Scheduler benchmark (issue 4): FCFS vs SJF vs CSJF on the real engine under Poisson load.
+"""Scheduler benchmark: FCFS vs SJF vs CSJF on the real engine under Poisson load.
 
     .venv/bin/python -m perf.bench_scheduler                 # cpu-scale post-rec trace, ~6 min
     .venv/bin/python -m perf.bench_scheduler --scale tiny --levels 1.0   # smoke test
@@ -8,7 +8,7 @@ requests 0.1 s apart) at several QPS levels around the engine's saturated throug
 (policy, level) replays the same arrival times into a fresh Engine (bf16, prefix cache sized to
 the profiles, cache_prefix_len = profile) through Engine.submit from a client thread, and
 measures each request's latency = completion - arrival. The saturated throughput is measured
-first: the whole trace submitted at once under FCFS. Writes the "## Scheduler (issue 4)"
+first: the whole trace submitted at once under FCFS. Writes the "## Scheduler"
 section of perf/RESULTS.md and perf/results/scheduler.json.
 """
 
@@ -26,7 +26,7 @@ from perf import benchutil as bu
 from perf import workloads as wl
 from perf.bench_prefix import cache_bytes_for_profiles
 
-SECTION = "## Scheduler (issue 4)"
+SECTION = "## Scheduler"
 POLICIES = ("fcfs", "sjf", "csjf")
 
 

@@ -1,4 +1,4 @@
-"""Serving benchmark (issue 5): the real tritonserver on model_repository/ (default model, bf16)
+"""Serving benchmark: the real tritonserver on model_repository/ (default model, bf16)
 driven by perf_analyzer and by tritonclient, one command:
 
     .venv/bin/python -m perf.bench_serving            # full: cpu-scale post-rec trace, ~10-12 min
@@ -31,7 +31,7 @@ Steps, in this order (low-load measurements first, on a fresh server):
    Errors = perf_analyzer's exit status and the requests Triton counted as failed.
 
 Writes perf_analyzer's CSVs and serving.json under perf/results/serving/ and the
-"## Serving (issue 5)" section of perf/RESULTS.md (with --quick or another scale: under
+"## Serving" section of perf/RESULTS.md (with --quick or another scale: under
 perf/out/<scale>[_quick]/ instead).
 """
 
@@ -56,7 +56,7 @@ from perf import perf_analyzer_inputs as pai
 from perf import workloads as wl
 from prefillonly.serving import prometheus
 
-SECTION = "## Serving (issue 5)"
+SECTION = "## Serving"
 MODEL, SYNC_MODEL = "prefillonly", "prefillonly_sync"
 REPO = bu.REPO_ROOT / "model_repository"
 OVERHEAD_TARGET_MS = 5.0

@@ -1,4 +1,4 @@
-"""Paper-style evaluation against vLLM-CPU, side by side (issue 6; docs/design.md §7-§11).
+"""Paper-style evaluation against vLLM-CPU, side by side (docs/design.md §7-§11).
 
 From the repository root, with the project's venv (vLLM runs in perf/.venv-vllm, see vllm_runner.py):
 
@@ -29,7 +29,7 @@ What each part compares (same trace files = identical token ids, one dtype (--dt
   mil       docs/design.md §7's max input length at 1 GiB, with the lengths tried and how.
 
 --quick writes under perf/out/eval-quick/ (git-ignored) and never touches the real results
-(perf/results/eval/*.json, the "## Evaluation vs vLLM (issue 6)" section of perf/RESULTS.md; with
+(perf/results/eval/*.json, the "## Evaluation vs vLLM" section of perf/RESULTS.md; with
 --dtype float32: perf/results/eval-float32/ and the section "## Evaluation vs vLLM, float32").
 --max-batch-tokens sets our engine's step budget (default: the engine's own default).
 """
@@ -48,7 +48,7 @@ from pathlib import Path
 from perf import benchutil as bu
 from perf import workloads as wl
 
-SECTION = "## Evaluation vs vLLM (issue 6)"
+SECTION = "## Evaluation vs vLLM"
 WORKLOADS = ("post_rec", "credit")
 LOAD_FACTORS = (0.25, 0.5, 1.0, 2.0)
 QUICK_LOAD_FACTORS = (1.0,)

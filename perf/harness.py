@@ -1,4 +1,4 @@
-"""One open-loop client harness for latency under load (issue 6), with a backend per system.
+"""One open-loop client harness for latency under load, with a backend per system.
 
 The same code drives every system, so what differs between two latency curves is the server:
 

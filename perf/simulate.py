@@ -1,4 +1,4 @@
-"""Scheduler simulation (issue 4): the engine's Scheduler and PrefixIndex, a cost model instead of a model.
+"""Scheduler simulation: the engine's Scheduler and PrefixIndex, a cost model instead of a model.
 
     .venv/bin/python -m perf.simulate                 # full sweep (~1 min of one core)
     .venv/bin/python -m perf.simulate --quick         # fewer loads, cpu-scale traces, prints only
@@ -40,7 +40,7 @@ Arrivals: perf/workloads.with_poisson_arrivals (Poisson users, a user's requests
 
 Load levels are multiples of the saturated throughput: N x (requests / total service time with
 perfect caching: every request but a user's first reads the whole profile from the cache).
-Writes the "## Scheduler simulation (issue 4)" section of perf/RESULTS.md, a plot
+Writes the "## Scheduler simulation" section of perf/RESULTS.md, a plot
 (perf/results/simulate.png) and raw JSON (perf/results/simulate.json).
 """
 
@@ -68,7 +68,7 @@ from prefillonly.config import EngineConfig
 from prefillonly.errors import OverloadedError
 from prefillonly.scheduler import DEFAULT_LAMBDA_TOKENS_PER_S, JctEstimator, Scheduler, WaitingRequest
 
-SECTION = "## Scheduler simulation (issue 4)"
+SECTION = "## Scheduler simulation"
 POLICIES = ("fcfs", "sjf", "csjf")
 DEFAULT_BLOCK = EngineConfig.default_of("cache_block_size")
 DEFAULT_LOADS = (0.25, 0.5, 0.75, 0.9, 1.0, 2.0, 3.0, 4.0)
@@ -745,7 +745,7 @@ def plot(data: dict, path: Path) -> bool:
 
 
 # -- the fleet: Envoy's routing policies at paper scale ---------------------------------------------
-FLEET_SECTION = "## Fleet routing simulation (issue 13)"
+FLEET_SECTION = "## Fleet routing simulation"
 FLEET_ROUTINGS = ("ring_hash_bounded", "least_request", "random")
 
 
