@@ -55,6 +55,7 @@ from perf import benchutil as bu
 from perf import perf_analyzer_inputs as pai
 from perf import workloads as wl
 from prefillonly.serving import prometheus
+from prefillonly.serving.server_tree import TRITON_SERVER_VERSION
 
 SECTION = "## Serving"
 MODEL, SYNC_MODEL = "prefillonly", "prefillonly_sync"
@@ -377,8 +378,8 @@ def log_row(r: dict) -> None:
 def render(data: dict) -> str:
     o = data.get("overhead")
     lines = [f"Command: `{data['command']}`  ", f"Date: {data['date']}  ", f"Machine: {bu.machine_line(data['machine'])}  ",
-             f"Server: tritonserver 2.51.0 (nvidia-pytriton wheel) on model_repository/, default model, engine settings "
-             f"from config.pbtxt ({', '.join(f'{k}={v}' for k, v in data['settings'].items() if v)}); perf_analyzer 2.51.0 "
+             f"Server: tritonserver {TRITON_SERVER_VERSION} (nvidia-pytriton wheel) on model_repository/, default model, engine settings "
+             f"from config.pbtxt ({', '.join(f'{k}={v}' for k, v in data['settings'].items() if v)}); perf_analyzer {TRITON_SERVER_VERSION} "
              f"(tritonclient wheel).  ", f"Trace: {data['trace_summary']}", ""]
     if data.get("sweeps"):
         table = []

@@ -47,6 +47,7 @@ from pathlib import Path
 
 from perf import benchutil as bu
 from perf import workloads as wl
+from prefillonly.serving.server_tree import TRITON_SERVER_VERSION
 
 SECTION = "## Evaluation vs vLLM"
 WORKLOADS = ("post_rec", "credit")
@@ -655,7 +656,7 @@ def render_load(d: dict, plot_name: str | None) -> list[str]:
         f"{wl.REQUEST_GAP_S} s apart) from `harness.poisson_schedule(trace, qps, seed={d['seed']})`: "
         f"{'the same arrival times for both systems at every level (digests match)' if same else 'WARNING: arrival digests differ between systems'}. "
         "Open loop (perf/harness.py): each request sent at its arrival time, latency from that time to its answer; errors counted apart. "
-        f"ours = tritonserver 2.51 with `model_repository/prefillonly` (defaults but dtype {d.get('dtype', 'bfloat16')}"
+        f"ours = tritonserver {TRITON_SERVER_VERSION} with `model_repository/prefillonly` (defaults but dtype {d.get('dtype', 'bfloat16')}"
         + (f", max_batch_tokens {d['max_batch_tokens']}" if d.get("max_batch_tokens") else "") + ": CSJF, prefix cache) over gRPC streaming, "
         "each request with `cache_prefix_len` = its profile; "
         f"vLLM = `vllm.entrypoints.openai.api_server` ({d.get('dtype', 'bfloat16')}, eager, prefix caching, {d['vllm_kv_gib']} GiB KV space, "

@@ -51,6 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from perf import benchutil as bu
+from prefillonly.serving.server_tree import TRITON_SERVER_VERSION
 
 SECTION = "## Reliability"
 MODEL, SYNC_MODEL = "prefillonly", "prefillonly_sync"
@@ -1163,7 +1164,7 @@ def render(out_dir: Path, results_md: Path, meta: dict) -> str:
     faults = bu.load_json(out_dir / "faults.json")
     lines = ["Written by `python -m perf.reliability [matrix|faults|soak|all]` (each phase's own command below)  ",
              f"Date: {meta['date']}  ", f"Machine: {bu.machine_line(meta['machine'])}  ",
-             f"Stack: Envoy (front door: body limit max_request_bytes = {meta['max_request_bytes']:,} bytes, header stripping) -> tritonserver 2.51.0 (nvidia-pytriton wheel) "
+             f"Stack: Envoy (front door: body limit max_request_bytes = {meta['max_request_bytes']:,} bytes, header stripping) -> tritonserver {TRITON_SERVER_VERSION} (nvidia-pytriton wheel) "
              f"under the serve supervisor (prefillonly.serving.supervisor, watchdog on), model_repository/ with the default "
              f"model (SmolLM2-135M), dtype {meta['dtype']}" + DTYPE_WHY.get(meta["dtype"], "") + ", other engine settings as "
              f"in config.pbtxt (default cache budget, default thread count). Raw data: `{meta['out_rel']}/`.", ""]
