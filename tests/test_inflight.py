@@ -309,3 +309,49 @@ def test_close_stops_the_poll(ticks):
     rounds = counts["round"]
     time.sleep(5 * INTERVAL_S)
     assert counts["round"] == rounds
+
+
+class FreedOnAnswer:
+    """Triton's request and sender as far as their lifetimes go: sending the final response frees
+    the request, and asking a freed request anything is the crash the lock prevents. Its
+    is_cancelled() is a slow round trip (as over the stub's IPC), so an answer sent during it
+    would land inside it."""
+
+    def __init__(self):
+        self.freed = False
+        self.asked_after_free = False
+        self.asking = threading.Event()
+        self.sent = []
+
+    def is_cancelled(self) -> bool:
+        self.asking.set()
+        time.sleep(0.05)
+        self.asked_after_free |= self.freed
+        return False
+
+    def send(self, response, flags) -> None:
+        self.sent.append((response, flags))
+        self.freed = True
+
+
+def test_the_final_answer_never_overlaps_or_precedes_a_cancellation_question(ticks):
+    counts, bump = ticks
+    triton = FreedOnAnswer()
+    future = Future()
+    p = PendingRequest(triton, triton, request_id="r", received_at=time.monotonic(), futures=[future])
+    watcher = make_watcher(bump)
+    try:
+        watcher.watch(p)
+        assert triton.asking.wait(5)  # the poll is inside is_cancelled() now
+        future.set_result("done")
+        p.send_final("response", flags=2)  # waits for the question in progress to end
+        assert triton.sent == [("response", 2)] and p.answered
+        assert not triton.asked_after_free
+        rounds = counts["round"]
+        assert wait_until(lambda: counts["round"] >= rounds + 3)
+        assert not p.client_cancelled() and not triton.asked_after_free  # never asked again once answered
+    finally:
+        watcher.close()
+    with pytest.raises(RuntimeError, match="already answered"):
+        p.send_final("again", flags=2)
+    assert len(triton.sent) == 1

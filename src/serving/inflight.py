@@ -24,13 +24,39 @@ _log = logging.getLogger(__name__)
 
 @dataclass
 class PendingRequest:
-    """A request the engine has taken, until its final response is sent."""
+    """A request the engine has taken, until its final response is sent.
+
+    Triton frees a request once its final response is sent, and asking a freed request whether it
+    was cancelled crashes the server (SIGSEGV in the Python backend, seen under load when the poll's
+    round trip overlapped the answer). So the poll's question and the final send take one lock,
+    and no question is asked once the request is answered."""
 
     request: object  # Triton's InferenceRequest (is_cancelled())
     sender: object  # its InferenceResponseSender
     request_id: str
     received_at: float  # time.monotonic()
     futures: list = field(default_factory=list)
+    answered: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def send_final(self, response, flags) -> None:
+        """sender.send(response, flags=flags) for the final response, once: after it the request
+        is never touched again (a second call raises)."""
+        with self._lock:
+            if self.answered:
+                raise RuntimeError(f"request {self.request_id!r} was already answered")
+            self.answered = True
+            self.sender.send(response, flags=flags)
+
+    def client_cancelled(self) -> bool:
+        """The client cancelled the request (False once it is answered, or if Triton refuses to say)."""
+        with self._lock:
+            if self.answered:
+                return False
+            try:
+                return self.request.is_cancelled()
+            except Exception:  # the request was already released: nothing left to cancel
+                return False
 
 
 def when_all_done(futures: list[Future], callback: Callable[[list, BaseException | None], None]) -> None:
@@ -108,7 +134,7 @@ class InFlightWatcher:
             with self._lock:
                 watched = list(self._watched.values())
             for pending in watched:
-                if _still_waiting(pending) and _client_cancelled(pending):
+                if _still_waiting(pending) and pending.client_cancelled():
                     for f in pending.futures:
                         f.cancel()  # a no-op on one already running: it finishes and is answered
             if watched:
@@ -117,10 +143,3 @@ class InFlightWatcher:
 
 def _still_waiting(pending: PendingRequest) -> bool:
     return any(not f.running() and not f.done() for f in pending.futures)
-
-
-def _client_cancelled(pending: PendingRequest) -> bool:
-    try:
-        return pending.request.is_cancelled()
-    except Exception:  # the request was already released: nothing left to cancel
-        return False

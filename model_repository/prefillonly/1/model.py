@@ -163,6 +163,6 @@ def _send_error(pending, error):
 
 def _send(pending, response):
     try:
-        pending.sender.send(response, flags=FINAL)
+        pending.send_final(response, FINAL)  # under the lock the cancellation poll takes (inflight.py)
     except Exception as e:  # e.g. the client is gone and Triton closed the sender: nothing to answer
         pb_utils.Logger.log_warn(f"prefillonly: request {pending.request_id!r}: final response not sent: {e}")
