@@ -99,8 +99,8 @@ def wait_idle(server, model: str = MODEL, timeout: float = 600.0) -> None:
     last = None
     while time.monotonic() < deadline:
         values = scrape(server.metrics_url)
-        now = (prometheus.total(values, "prefillonly_waiting_requests"), outcome_counts(values, model)["success"],
-               outcome_counts(values, model)["failure"])
+        counts = outcome_counts(values, model)
+        now = (prometheus.total(values, "prefillonly_waiting_requests"), counts["success"], counts["failure"])
         if last is not None and now == last and now[0] == 0:
             return
         last = now

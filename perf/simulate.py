@@ -321,7 +321,7 @@ class SimEngine:
         self.clock = clock
         self.rng, self.noise = rng, noise
         self.pick_s_per_waiting = pick_s_per_waiting
-        self.running = None  # (WaitingRequest, IndexTicket, uncached, cached, seconds, start, pick_s)
+        self.running = None  # (WaitingRequest, IndexTicket, seconds, start, pick_s)
         self.picks = 0
         self.max_waiting_seen = 0
 
@@ -347,16 +347,18 @@ class SimEngine:
             seconds *= float(np.exp(self.rng.normal(-0.5 * self.noise**2, self.noise)))
         pick_s = self.pick_s_per_waiting * waiting  # the pick runs on the worker before the forward
         now = self.clock()
-        self.running = (req, ticket, uncached, cached, seconds, now, pick_s)
+        self.running = (req, ticket, seconds, now, pick_s)
         return now + pick_s + seconds
 
     def finish(self) -> Record:
         """PrefixCache.commit + the engine's estimator feedback."""
-        req, ticket, uncached, cached, seconds, start, pick_s = self.running
+        req, ticket, seconds, start, pick_s = self.running
         self.running = None
         self.index.commit(ticket)
-        self.estimator.observe(uncached, cached, seconds)  # the forward's time, as the engine measures it
         sr: SimRequest = req.payload
+        cached = ticket.cached_tokens
+        uncached = sr.prompt_tokens - cached
+        self.estimator.observe(uncached, cached, seconds)  # the forward's time, as the engine measures it
         return Record(sr.request_id, self.eid, sr.arrival_s, start, self.clock(), seconds, cached, uncached, pick_s)
 
 
