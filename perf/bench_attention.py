@@ -62,7 +62,7 @@ def measure(args) -> dict:
     kernel = cpu_ext.load_attention()
     if kernel is None:
         raise SystemExit(f"CPU flash attention unavailable: {cpu_ext.why_attention_unavailable()}")
-    isa = kernel.supported_isas()[0] if cpu_ext.ATTENTION_ISA == "auto" else cpu_ext.ATTENTION_ISA
+    isa = {name: cpu_ext.attention_isa(dtype) for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32))}
     dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
     mm = {name: [] for name in dtypes}
     rows = []
@@ -100,7 +100,7 @@ def render(data: dict) -> str:
         table.append([r["dtype"], shape, f"{r['ours'] / 1e9:.0f}", f"{r['sdpa'] / 1e9:.0f}", f"{r['ours'] / r['sdpa']:.2f}x",
                       f"{r['ours'] / mm['float32']:.0%}", f"{r['ours'] / mm['bfloat16']:.0%}"])
     return "\n".join([
-        f"`{data['command']}` — {data['date']}; {bu.machine_line(data['machine'])}; kernel ISA path **{data['isa']}** "
+        f"`{data['command']}` — {data['date']}; {bu.machine_line(data['machine'])}; kernel variant **{data['isa']}** "
         f"(CPU flags: {', '.join(data['flags'])}).",
         "",
         f"Same-run matmul rate ([{MATMUL[0]},{MATMUL[1]}]x[{MATMUL[1]},{MATMUL[2]}], mean of before/after): "

@@ -25,8 +25,9 @@ _PAGE = 4096  # an allocation may touch one page more than its size (its header,
 # 35.6-38.4 MiB for 36.0 MiB of tensors (2026-12-01). 3 MiB covers the worst seen.
 UNSEEN_BYTES = 3 << 20
 
-# The compiled CPU kernel (backend "cpu_flash") writes over Q and allocates only its float32
-# scratch, which it reports itself (cpu_flash_scratch_bytes): nothing to estimate.
+# The compiled CPU kernel (backend "cpu_flash") writes over Q and allocates only its scratch (and
+# on its bf16 pair path V packed in key pairs), which it reports itself (cpu_flash_scratch_bytes):
+# nothing to estimate.
 #
 # torch SDPA's output and internal buffers, per query element ([S, q_width]), and its
 # per-thread fixed blocks. Measured on CPU (memory_probe: growth minus the workspace) at
@@ -75,7 +76,7 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
 
     workspace  the batch's buffers (exact: the executor allocates this plan);
     attention  attention's output and temporaries (for the compiled CPU kernel, which writes over
-               Q: its float32 scratch, as it reports it, one call at a time; for the Triton kernel,
+               Q: its scratch and packed V, as it reports them, one call at a time; for the Triton kernel,
                which writes over Q with no scratch: none; for SDPA the measured estimate above,
                every sequence's output alive until the MLP half of the layer);
     captured   K/V of a captured prefix (multi-item), all layers;  prefix_gather: one layer's
@@ -97,7 +98,9 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
     if in_place_kernel:  # the Triton kernel writes over Q and allocates nothing
         attention = 0
     elif cpu_flash_covers(attention_backend, device, dtype, spec.head_dim):
-        attention = cpu_flash_scratch_bytes(spec.head_dim, spec.num_heads // spec.num_kv_heads)
+        longest_keys = max(n + p for n, p in members)  # one call at a time: the longest sequence's
+        attention = cpu_flash_scratch_bytes(spec.head_dim, spec.num_heads // spec.num_kv_heads, spec.num_kv_heads,
+                                            longest_keys, dtype)
     elif inplace_attention:  # one query block's flash outputs and float32 merge at a time
         longest = max(n for n, _ in members)
         attention = _INPLACE_BYTES_PER_QUERY_ELEMENT * min(longest, INPLACE_QUERY_BLOCK) * spec.q_width + _INPLACE_FIXED_BYTES

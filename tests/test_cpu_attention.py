@@ -21,15 +21,30 @@ def kernel():
     return module
 
 
-def isa_params():
-    return [pytest.param(isa, id=isa) for isa in ("avx2", "avx512")]
+# Every variant of the kernel and the CPU flags it needs (cpu_attention.cpp's IsaEntry table):
+# the float32-FMA paths, the bf16 pair path with its dot product emulated (runs on any host with
+# the base ISA, so the pair layout is tested everywhere) and with the native instruction.
+VARIANT_FLAGS = {"avx2": "avx2+fma", "avx512": "avx512f/bw/dq/vl", "avx2_pairs": "avx2+fma",
+                 "avx512_pairs": "avx512f/bw/dq/vl", "avx512_bf16": "avx512_bf16"}
+PAIR_PATHS = ("avx2_pairs", "avx512_pairs", "avx512_bf16")
 
 
-@pytest.fixture(params=isa_params())
-def isa(request, kernel):
+def _variant(request, kernel):
     if request.param not in kernel.supported_isas():
-        pytest.skip(f"this CPU lacks {request.param}: that path was not run")
+        pytest.skip(f"this CPU lacks {VARIANT_FLAGS[request.param]}: the {request.param} path was not run")
     return request.param
+
+
+@pytest.fixture(params=["avx2", "avx512"])
+def isa(request, kernel):
+    """The float32-FMA paths (float32 and bfloat16 inputs)."""
+    return _variant(request, kernel)
+
+
+@pytest.fixture(params=list(PAIR_PATHS))
+def pair_isa(request, kernel):
+    """The bf16 pair dot-product paths (bfloat16 inputs only)."""
+    return _variant(request, kernel)
 
 
 def inputs(hkv, group, lq, prefix, d, dtype, seed):
@@ -62,6 +77,69 @@ def test_bfloat16_error_within_1p5x_sdpa(isa, group, d, lq, prefix):
     sdpa = (causal_attention(q, k, v, d ** -0.5, backend="sdpa").double() - want).abs().max().item()
     half_ulp = 2.0 ** -9 * want.abs().max().item()  # rounding the output to bf16 alone costs this much
     assert ours <= max(1.5 * sdpa, half_ulp), f"ours {ours:.2e} vs sdpa {sdpa:.2e}"
+
+
+# Shapes that stress the pair layout: odd key counts (a key pair padded with zero), odd key-block
+# ends, odd prefixes, 1 and 7 queries, head_dim 64 and 128, GQA 1/3/8, and a last block of one key.
+PAIR_CASES = [(1, 64, 1, 0), (3, 64, 7, 0), (8, 128, 1, 1), (3, 64, 7, 64), (1, 128, 65, 0), (3, 64, 37, 29),
+              (8, 64, 7, 2047), (3, 128, 130, 63), (1, 64, 513, 1), (3, 64, 1, 64 * 5)]
+
+
+@pytest.mark.parametrize("group,d,lq,prefix", PAIR_CASES)
+def test_pair_path_error_within_1p5x_sdpa(pair_isa, group, d, lq, prefix):
+    q, k, v = inputs(2, group, lq, prefix, d, torch.bfloat16, seed=lq * 13 + prefix + d + group)
+    want = reference(q, k, v, d ** -0.5)
+    ours = (cpu_flash_attention(q, k, v, d ** -0.5, isa=pair_isa).double() - want).abs().max().item()
+    sdpa = (causal_attention(q, k, v, d ** -0.5, backend="sdpa").double() - want).abs().max().item()
+    half_ulp = 2.0 ** -9 * want.abs().max().item()
+    assert ours <= max(1.5 * sdpa, half_ulp), f"ours {ours:.2e} vs sdpa {sdpa:.2e}"
+
+
+@pytest.mark.parametrize("group,d,lq,prefix", PAIR_CASES[::3])
+def test_native_pair_path_equals_its_portable_reference(kernel, group, d, lq, prefix):
+    """The native instruction against the emulation of its documented semantics, same layout and
+    rounding: they may differ only by float32 accumulation order (within 2 bf16 ulps)."""
+    if "avx512_bf16" not in kernel.supported_isas():
+        pytest.skip("this CPU lacks avx512_bf16: the native pair path was not run")
+    q, k, v = inputs(2, group, lq, prefix, d, torch.bfloat16, seed=lq + prefix * 3 + d)
+    native = cpu_flash_attention(q, k, v, d ** -0.5, isa="avx512_bf16").float()
+    portable = cpu_flash_attention(q, k, v, d ** -0.5, isa="avx512_pairs").float()
+    assert (native - portable).abs().max().item() <= 2.0 ** -7 * portable.abs().max().item()
+
+
+def test_emulated_pair_paths_agree_across_isas(kernel):
+    """The AVX2 and AVX-512 emulations do the same float32 operations in the same order: equal."""
+    if not {"avx2_pairs", "avx512_pairs"} <= set(kernel.supported_isas()):
+        pytest.skip("this CPU lacks avx512f/bw/dq/vl: only one emulated pair path runs here")
+    q, k, v = inputs(3, 3, 45, 70, 64, torch.bfloat16, seed=21)
+    assert torch.equal(cpu_flash_attention(q, k, v, 0.125, isa="avx2_pairs"), cpu_flash_attention(q, k, v, 0.125, isa="avx512_pairs"))
+
+
+def test_pair_path_refuses_float32(kernel):
+    q, k, v = inputs(1, 1, 4, 0, 64, torch.float32, seed=2)
+    with pytest.raises(RuntimeError, match="bfloat16 inputs only"):
+        kernel.flash_attention(q, k, v, torch.empty_like(q), 0.1, "avx2_pairs", 0, 0)
+
+
+def test_pair_path_writes_over_q_and_reads_strided_kv(pair_isa):
+    q, k, v = inputs(3, 3, 45, 71, 64, torch.bfloat16, seed=6)
+    big_k, big_v = torch.zeros(3, 200, 64, dtype=torch.bfloat16), torch.zeros(3, 200, 64, dtype=torch.bfloat16)
+    big_k[:, :116], big_v[:, :116] = k, v
+    want = cpu_flash_attention(q, k, v, 0.125, isa=pair_isa)
+    buf = q.clone()
+    out = cpu_flash_attention(buf, big_k[:, :116], big_v[:, :116], 0.125, out=buf, isa=pair_isa)
+    assert out.data_ptr() == buf.data_ptr()
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("block_k", [1, 7, 64])
+def test_pair_path_any_key_block(pair_isa, block_k):
+    """Odd key blocks are rounded up to even ones (pairs never straddle blocks): same result."""
+    q, k, v = inputs(2, 3, 20, 33, 64, torch.bfloat16, seed=block_k)
+    want = reference(q, k, v, 0.125)
+    out = torch.empty_like(q)
+    cpu_ext.load_attention().flash_attention(q, k, v, out, 0.125, pair_isa, block_k, 0)
+    assert (out.double() - want).abs().max().item() <= 2.0 ** -7 * want.abs().max().item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -118,3 +196,68 @@ def test_bad_calls_are_clear_errors(kernel):
         if isa not in kernel.supported_isas():
             with pytest.raises(RuntimeError, match="lacks"):
                 kernel.flash_attention(q, k, v, torch.empty_like(q), 0.1, isa, 0, 0)
+
+
+def _runner_of(kernel, corrupt: str | None = None):
+    """run(isa, q, k, v) on the real kernel; `corrupt`'s output is perturbed (a native path that
+    computes wrong numbers, as one written for an ISA could on a host that misreports it)."""
+    def run(isa, q, k, v):
+        # a variant this CPU lacks is answered by its portable reference (same semantics)
+        real = isa if isa in kernel.supported_isas() else cpu_ext.NATIVE_ATTENTION.get(isa, isa)
+        out = cpu_flash_attention(q, k, v, q.shape[-1] ** -0.5, isa=real)
+        return out + 0.25 if isa == corrupt else out
+    return run
+
+
+def _host_without_native(kernel):
+    return [isa for isa in kernel.supported_isas() if isa not in cpu_ext.NATIVE_ATTENTION]
+
+
+def test_self_check_trusts_a_native_path_that_agrees(kernel):
+    supported = ["avx512_bf16", *_host_without_native(kernel)]
+    if "avx512_pairs" not in supported:
+        pytest.skip("this CPU lacks avx512f/bw/dq/vl: the native path's reference cannot run here")
+    assert cpu_ext.choose_isa(supported, torch.bfloat16, _runner_of(kernel)) == "avx512_bf16"
+    assert cpu_ext.choose_isa(supported, torch.float32, _runner_of(kernel)) == "avx512"  # fp32 never takes the pair path
+
+
+def test_self_check_mismatch_falls_back_with_a_warning(kernel, caplog):
+    supported = ["avx512_bf16", *_host_without_native(kernel)]
+    if "avx512_pairs" not in supported:
+        pytest.skip("this CPU lacks avx512f/bw/dq/vl: the native path's reference cannot run here")
+    with caplog.at_level("WARNING", logger=cpu_ext.log.name):
+        chosen = cpu_ext.choose_isa(supported, torch.bfloat16, _runner_of(kernel, corrupt="avx512_bf16"))
+    assert chosen == "avx512"
+    assert any("avx512_bf16" in r.getMessage() and "disagrees" in r.getMessage() for r in caplog.records)
+
+
+def test_self_check_catches_non_finite_output(kernel):
+    if "avx512_pairs" not in kernel.supported_isas():
+        pytest.skip("this CPU lacks avx512f/bw/dq/vl: the native path's reference cannot run here")
+    run = _runner_of(kernel)
+    bad = lambda isa, q, k, v: run(isa, q, k, v) * (float("nan") if isa == "avx512_bf16" else 1.0)  # noqa: E731
+    assert "non-finite" in cpu_ext.self_check_mismatch("avx512_bf16", "avx512_pairs", bad)
+
+
+def test_without_native_flags_bf16_takes_the_fma_path(kernel):
+    supported = _host_without_native(kernel)
+    assert cpu_ext.choose_isa(supported, torch.bfloat16, _runner_of(kernel)) in ("avx512", "avx2")
+    assert cpu_ext.choose_isa(["avx2", "avx2_pairs"], torch.bfloat16, _runner_of(kernel)) == "avx2"
+
+
+def test_auto_variant_in_this_process(kernel):
+    """What the engine runs here: the native pair path exactly when the CPU has it (and it passed
+    its self-check, which it must on a real CPU), else the best float32-FMA path."""
+    best_fma = next(isa for isa in ("avx512", "avx2") if isa in kernel.supported_isas())
+    want = "avx512_bf16" if "avx512_bf16" in kernel.supported_isas() else best_fma
+    assert cpu_ext.attention_isa(torch.bfloat16) == want
+    assert cpu_ext.attention_isa(torch.float32) == best_fma
+
+
+def test_scratch_bytes_count_the_packed_values(kernel):
+    """The pair path also allocates V in key pairs (as large as V): the memory prediction's term."""
+    base = kernel.scratch_bytes(64, 3, 3, 0, 2, "avx2", 0, 0)
+    for isa in ("avx2_pairs",) + (("avx512_pairs",) if "avx512_pairs" in kernel.supported_isas() else ()):
+        fixed = kernel.scratch_bytes(64, 3, 3, 0, 2, isa, 0, 0)
+        assert kernel.scratch_bytes(64, 3, 3, 1001, 2, isa, 0, 0) - fixed == 4 * 3 * 501 * 64
+    assert kernel.scratch_bytes(64, 3, 3, 1001, 2, "avx2", 0, 0) == base

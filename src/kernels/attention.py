@@ -8,8 +8,9 @@ No S x S mask is ever built (docs/design.md §13).
 Backends:
   "cpu_flash"  our compiled flash-attention kernel (cpu_attention.cpp): whole prompts and
                cached-prefix suffixes in one pass, float32 / bfloat16, head_dim a multiple of 16
-               up to 256; it writes its output over Q (no second [Hq, S, D] tensor). Calls it
-               does not cover (other dtypes or head dims) run on sdpa.
+               up to 256; bf16 on the CPU's bf16 dot product where it has one (AVX512_BF16,
+               self-checked), else float32 FMAs; it writes its output over Q (no second
+               [Hq, S, D] tensor). Calls it does not cover (other dtypes or head dims) run on sdpa.
   "triton"     our Triton-language kernel (triton_attention.py), CUDA (or CPU under Triton's
                interpreter): the whole batch in one launch, cached prefixes read in place from
                the prefix pool's blocks, output over Q; bfloat16 / float16, head_dim a power of
@@ -83,22 +84,23 @@ def cpu_flash_applies(backend: str, q: torch.Tensor) -> bool:
 def cpu_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                         isa: str | None = None) -> torch.Tensor:
     """The compiled kernel: q [Hq, Lq, D], k/v [Hkv, Lk, D] -> out [Hq, Lq, D] (new, or the
-    given `out`, which may be q itself). `isa` forces avx2 / avx512 (default: the CPU's best,
-    or PREFILLONLY_CPU_ATTENTION_ISA)."""
+    given `out`, which may be q itself). `isa` forces a kernel variant (cpu_ext.attention_isa:
+    the CPU's best for q's dtype, or PREFILLONLY_CPU_ATTENTION_ISA)."""
     kernel = cpu_ext.load_attention()
     if kernel is None:
         raise RuntimeError(f"CPU flash attention unavailable: {cpu_ext.why_attention_unavailable()}")
     if out is None:
         out = torch.empty_like(q)
     with torch.profiler.record_function("prefillonly::cpu_flash_attention"):  # else profiles miss it (not an aten op)
-        kernel.flash_attention(q, k, v, out, float(scale), isa or cpu_ext.ATTENTION_ISA, 0, 0)
+        kernel.flash_attention(q, k, v, out, float(scale), isa or cpu_ext.attention_isa(q.dtype), 0, 0)
     return out
 
 
-def cpu_flash_scratch_bytes(head_dim: int, group: int) -> int:
-    """Float32 scratch of one kernel call (per-thread Q/O/score tiles and one K/V block)."""
+def cpu_flash_scratch_bytes(head_dim: int, group: int, kv_heads: int, keys: int, dtype: torch.dtype) -> int:
+    """What one kernel call over `keys` keys allocates besides its output: per-thread Q/O/score
+    tiles (and one K/V block, or on the bf16 pair path V packed in key pairs, as large as V)."""
     kernel = cpu_ext.load_attention()
-    return kernel.scratch_bytes(head_dim, group, torch.get_num_threads(), cpu_ext.ATTENTION_ISA, 0, 0)
+    return kernel.scratch_bytes(head_dim, group, kv_heads, keys, torch.get_num_threads(), cpu_ext.attention_isa(dtype), 0, 0)
 
 
 def _check_shapes(q, k) -> None:

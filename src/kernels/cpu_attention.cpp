@@ -4,15 +4,23 @@
 //
 // Why our own: torch's CPU SDPA runs at ~15-60% of the same host's matmul rate; its softmax
 // takes one exact exponential per query-key pair, which bounds it. Here the exponential is a
-// degree-5 polynomial in 2^x (cpu_attention_body.h, error < 3e-7 relative), and both products
-// are register-tiled FMA loops over a layout with query rows as vector lanes, so the online
-// softmax state (max, sum, rescale) of W rows is one vector operation.
+// degree-5 polynomial in 2^x (cpu_attention_softmax.h, error < 3e-7 relative), and both products
+// are register-tiled loops over a layout with query rows as vector lanes, so the online softmax
+// state (max, sum, rescale) of W rows is one vector operation.
 //
-// ISA safety: this file is compiled for the baseline x86-64 ISA. The kernel body is compiled
-// once per instruction set inside a `#pragma GCC target` region (AVX2+FMA; AVX-512F/BW/DQ/VL)
-// and picked at run time from the CPU's flags (__builtin_cpu_supports), so one build runs on
-// any x86-64 host and never executes an instruction the host lacks. No AVX2: the caller falls
-// back to torch SDPA.
+// Two product paths: float32 FMAs (cpu_attention_body.h: float32 inputs; bf16 inputs widened per
+// block) and bf16 pair dot products (cpu_attention_pairs.h: bf16 inputs; VDPBF16PS does twice the
+// FLOPs of an FMA per instruction, as torch's bf16 matmul does on such CPUs).
+//
+// ISA safety: this file is compiled for the baseline x86-64 ISA. Each kernel body is compiled
+// once per instruction set inside a `#pragma GCC target` region (AVX2+FMA; AVX-512F/BW/DQ/VL;
+// AVX-512 + AVX512_BF16) and picked at run time from the CPU's flags (__builtin_cpu_supports),
+// so one build runs on any x86-64 host and never executes an instruction the host lacks. Variants
+// (IsaEntry below): "avx512_bf16" (native pair dot products), "avx512" and "avx2" (float32 FMAs),
+// and "avx512_pairs" / "avx2_pairs", the pair path with the dot product emulated by two FMAs of
+// the instruction's documented semantics: the portable reference that tests the pair layout on
+// any host and that the Python side compares the native path against before trusting it
+// (cpu_ext.attention_isa). No AVX2: the caller falls back to torch SDPA.
 //
 // Work split: a task is (KV head, block of queries) with all its group's query heads, so each
 // K/V block is loaded once for the whole group; tasks run longest-first from a shared counter
@@ -57,6 +65,8 @@ struct Problem {
   int64_t v_head_stride, v_row_stride, o_head_stride, o_row_stride;
   int64_t hkv, group, lq, lk, d;
   int64_t offset;      // lk - lq: query i sits at key position offset + i
+  uint32_t* vp;        // pair path: V packed in key pairs, [hkv][ceil(lk / 2)][d] words
+  int64_t vp_head_stride;
   int64_t block_q;     // queries per task
   int64_t block_k;     // keys per block
   float scale_log2;    // softmax scale * log2(e)
@@ -71,6 +81,7 @@ struct Scratch {  // one thread's float32 buffers; shapes in cpu_attention_body.
   float* vf;
   float* m;
   float* l;
+  float* pp;  // pair path: P^T as bf16 key pairs, [BK / 2][rp] words
 };
 
 // Visits the task's rows: row r = i * group + g is query head h * group + g at position i0 + i;
@@ -97,6 +108,18 @@ void pack_queries(const Problem& p, int64_t h, int64_t i0, int64_t nq, int64_t r
     for (int64_t x = 0; x < d; ++x) qt[x * rp + r] = 0.f;
 }
 
+// bf16 Q rows of the task -> Q^T in head_dim pairs, qp [d / 2][rp]: word (x2, r) is the 32-bit
+// word (Q[r][2 x2], Q[r][2 x2 + 1]) read as it lies in the row; zero for the padding rows.
+void pack_query_pairs(const Problem& p, int64_t h, int64_t i0, int64_t nq, int64_t rp, uint32_t* qp) {
+  const int64_t half = p.d / 2;
+  for_each_task_row(p, h, i0, nq, p.q_head_stride, p.q_row_stride, [&](int64_t r, int64_t at) {
+    const uint16_t* src = static_cast<const uint16_t*>(p.q) + at;
+    for (int64_t x2 = 0; x2 < half; ++x2) std::memcpy(qp + x2 * rp + r, src + 2 * x2, 4);
+  });
+  for (int64_t r = nq * p.group; r < rp; ++r)
+    for (int64_t x2 = 0; x2 < half; ++x2) qp[x2 * rp + r] = 0u;
+}
+
 // O^T / l -> the output rows of the task (which may be the query rows themselves: they were
 // packed before anything was written).
 void write_output(const Problem& p, int64_t h, int64_t i0, int64_t nq, int64_t rp, const float* ot, const float* l) {
@@ -116,59 +139,32 @@ void write_output(const Problem& p, int64_t h, int64_t i0, int64_t nq, int64_t r
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace avx2 {
-struct V {
-  using vf = __m256;
-  static constexpr int W = 8, MR = 4, NV = 3;  // 12 accumulators of 16 registers
-  static inline vf load(const float* p) { return _mm256_loadu_ps(p); }
-  static inline void store(float* p, vf x) { _mm256_storeu_ps(p, x); }
-  static inline vf zero() { return _mm256_setzero_ps(); }
-  static inline vf set1(float x) { return _mm256_set1_ps(x); }
-  static inline vf broadcast(const float* p) { return _mm256_broadcast_ss(p); }
-  static inline vf fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-  static inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
-  static inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
-  static inline vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
-  static inline vf max(vf a, vf b) { return _mm256_max_ps(a, b); }
-  static inline vf round(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  static inline vf ge_mask(vf a, vf b) { return _mm256_cmp_ps(a, b, _CMP_GE_OQ); }
-  static inline vf mask_and(vf x, vf m) { return _mm256_and_ps(x, m); }
-  static inline vf scale_by_pow2(vf x, vf n) {  // x * 2^n for integral n, through the exponent bits
-    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(x), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23)));
-  }
-  static inline vf load_bf16(const uint16_t* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-  }
-};
+#include "cpu_vec_avx2.h"
+#include "cpu_attention_softmax.h"
 #include "cpu_attention_body.h"
+#include "cpu_attention_pairs.h"
 }  // namespace avx2
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")
 namespace avx512 {
-struct V {
-  using vf = __m512;
-  static constexpr int W = 16, MR = 8, NV = 2;  // 16 accumulators of 32 registers
-  static inline vf load(const float* p) { return _mm512_loadu_ps(p); }
-  static inline void store(float* p, vf x) { _mm512_storeu_ps(p, x); }
-  static inline vf zero() { return _mm512_setzero_ps(); }
-  static inline vf set1(float x) { return _mm512_set1_ps(x); }
-  static inline vf broadcast(const float* p) { return _mm512_set1_ps(*p); }
-  static inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-  static inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-  static inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
-  static inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
-  static inline vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
-  static inline vf round(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  static inline __mmask16 ge_mask(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
-  static inline vf mask_and(vf x, __mmask16 m) { return _mm512_maskz_mov_ps(m, x); }
-  static inline vf scale_by_pow2(vf x, vf n) { return _mm512_scalef_ps(x, n); }
-  static inline vf load_bf16(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-  }
-};
+#include "cpu_vec_avx512.h"
+#include "cpu_attention_softmax.h"
 #include "cpu_attention_body.h"
+#include "cpu_attention_pairs.h"
 }  // namespace avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma")
+namespace avx512_bf16 {
+#define PFA_NATIVE_BF16
+#include "cpu_vec_avx512.h"
+#undef PFA_NATIVE_BF16
+#include "cpu_attention_softmax.h"
+#include "cpu_attention_pairs.h"
+}  // namespace avx512_bf16
 #pragma GCC pop_options
 
 // -- dispatch ------------------------------------------------------------------------------
@@ -176,8 +172,10 @@ struct V {
 struct IsaEntry {
   const char* name;
   int tile_cols;  // NV * W of its register tile: task rows are padded to a multiple of it
+  bool pairs;     // the bf16 pair path (bf16 inputs only), else float32 FMAs
   bool (*supported)();
   void (*task)(const Problem&, int64_t, int64_t, int64_t, const Scratch&);
+  void (*pack_values)(const Problem&, int64_t, int64_t, int64_t);  // pair path: V -> p.vp, per head and key pairs
   void (*exp2)(const float*, float*, int64_t);
 };
 
@@ -190,22 +188,33 @@ bool has_avx512() {
   return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
 }
+bool has_avx512_bf16() {
+  __builtin_cpu_init();
+  return has_avx512() && __builtin_cpu_supports("avx512bf16");
+}
 
-// best first
+constexpr int kTile512 = avx512::V::NV * avx512::V::W, kTile256 = avx2::V::NV * avx2::V::W;
+
+// Fastest first within each path. "auto" picks the first supported float32-FMA entry: the native
+// pair path is chosen by the caller (cpu_ext.attention_isa) only after its self-check passed.
 const IsaEntry kIsas[] = {
-    {"avx512", avx512::V::NV * avx512::V::W, has_avx512, avx512::run_task, avx512::exp2_array},
-    {"avx2", avx2::V::NV * avx2::V::W, has_avx2, avx2::run_task, avx2::exp2_array},
+    {"avx512_bf16", kTile512, true, has_avx512_bf16, avx512_bf16::run_task_pairs, avx512_bf16::pack_value_pairs,
+     avx512_bf16::exp2_array},
+    {"avx512", kTile512, false, has_avx512, avx512::run_task, nullptr, avx512::exp2_array},
+    {"avx2", kTile256, false, has_avx2, avx2::run_task, nullptr, avx2::exp2_array},
+    {"avx512_pairs", kTile512, true, has_avx512, avx512::run_task_pairs, avx512::pack_value_pairs, avx512::exp2_array},
+    {"avx2_pairs", kTile256, true, has_avx2, avx2::run_task_pairs, avx2::pack_value_pairs, avx2::exp2_array},
 };
 
 const IsaEntry& pick_isa(const std::string& name) {
   for (const auto& e : kIsas) {
-    if (name == "auto" ? e.supported() : name == e.name) {
+    if (name == "auto" ? (!e.pairs && e.supported()) : name == e.name) {
       TORCH_CHECK(e.supported(), "cpu flash attention: this CPU lacks the ", e.name, " instructions");
       return e;
     }
   }
   TORCH_CHECK(name != "auto", "cpu flash attention: this CPU has neither AVX2+FMA nor AVX-512");
-  TORCH_CHECK(false, "cpu flash attention: unknown ISA '", name, "' (auto, avx512, avx2)");
+  TORCH_CHECK(false, "cpu flash attention: unknown ISA '", name, "' (auto, avx512_bf16, avx512, avx2, avx512_pairs, avx2_pairs)");
 }
 
 constexpr int64_t kDefaultBlockK = 64;
@@ -215,13 +224,20 @@ int64_t queries_per_task(int64_t group, int64_t task_rows) { return task_rows / 
 
 int64_t padded_rows(const IsaEntry& e, int64_t rows) { return (rows + e.tile_cols - 1) / e.tile_cols * e.tile_cols; }
 
+// keys per block: the pair path needs an even count (key pairs never straddle two blocks)
+int64_t keys_per_block(const IsaEntry& e, int64_t block_k) {
+  const int64_t bk = block_k > 0 ? block_k : kDefaultBlockK;
+  return e.pairs ? (bk + 1) / 2 * 2 : bk;
+}
+
 // One thread's scratch cut from `base` (nullptr: only the size); rp = padded rows of a full task.
-// Returns the number of floats it takes.
-int64_t carve_scratch(float* base, int64_t d, int64_t rp, int64_t block_k, Scratch* s) {
-  const int64_t sizes[] = {d * rp, d * rp, block_k * rp, block_k * d, block_k * d, rp, rp};  // qt ot st kf vf m l
-  float** slots[] = {&s->qt, &s->ot, &s->st, &s->kf, &s->vf, &s->m, &s->l};
+// Returns the number of floats (4-byte words) it takes.
+int64_t carve_scratch(const IsaEntry& e, float* base, int64_t d, int64_t rp, int64_t block_k, Scratch* s) {
+  const int64_t kv = e.pairs ? 0 : block_k * d, pairs = e.pairs ? block_k / 2 * rp : 0;
+  const int64_t sizes[] = {d * rp, d * rp, block_k * rp, kv, kv, rp, rp, pairs};  // qt ot st kf vf m l pp
+  float** slots[] = {&s->qt, &s->ot, &s->st, &s->kf, &s->vf, &s->m, &s->l, &s->pp};
   int64_t offset = 0;
-  for (int i = 0; i < 7; ++i) {
+  for (int i = 0; i < 8; ++i) {
     if (base != nullptr) *slots[i] = base + offset;
     offset += sizes[i];
   }
@@ -230,8 +246,11 @@ int64_t carve_scratch(float* base, int64_t d, int64_t rp, int64_t block_k, Scrat
 
 int64_t scratch_floats_per_thread(const IsaEntry& e, int64_t d, int64_t group, int64_t block_k, int64_t task_rows) {
   Scratch unused{};
-  return carve_scratch(nullptr, d, padded_rows(e, queries_per_task(group, task_rows) * group), block_k, &unused);
+  return carve_scratch(e, nullptr, d, padded_rows(e, queries_per_task(group, task_rows) * group), block_k, &unused);
 }
+
+// Words of the pair path's packed V of one call (none on the float32 path).
+int64_t packed_value_words(const IsaEntry& e, int64_t hkv, int64_t lk, int64_t d) { return e.pairs ? hkv * ((lk + 1) / 2) * d : 0; }
 
 }  // namespace pfa
 
@@ -251,17 +270,29 @@ void flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && out.stride(2) == 1, "cpu flash attention: unit stride in head_dim");
   TORCH_CHECK(out.data_ptr() != q.data_ptr() || out.strides() == q.strides(), "cpu flash attention: out aliases q with other strides");
   const IsaEntry& e = pick_isa(isa);
+  TORCH_CHECK(!e.pairs || q.scalar_type() == at::kBFloat16, "cpu flash attention: the ", e.name, " path takes bfloat16 inputs only");
   Problem p{};
   p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.out = out.data_ptr();
   p.q_head_stride = q.stride(0), p.q_row_stride = q.stride(1), p.k_head_stride = k.stride(0), p.k_row_stride = k.stride(1);
   p.v_head_stride = v.stride(0), p.v_row_stride = v.stride(1), p.o_head_stride = out.stride(0), p.o_row_stride = out.stride(1);
   p.hkv = hkv, p.group = hq / hkv, p.lq = lq, p.lk = lk, p.d = d, p.offset = lk - lq;
-  p.block_k = block_k > 0 ? block_k : kDefaultBlockK;
+  p.block_k = keys_per_block(e, block_k);
   const int64_t rows = task_rows > 0 ? task_rows : kDefaultTaskRows;
   p.block_q = queries_per_task(p.group, rows);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   p.bf16 = q.scalar_type() == at::kBFloat16;
 
+  at::Tensor packed_v;  // the pair path's V in key pairs, once per call (not per task)
+  if (e.pairs) {
+    packed_v = at::empty({packed_value_words(e, hkv, lk, d)}, q.options().dtype(at::kInt));
+    p.vp = reinterpret_cast<uint32_t*>(packed_v.data_ptr<int32_t>());
+    p.vp_head_stride = (lk + 1) / 2 * d;
+    const int64_t pairs = (lk + 1) / 2, chunk = 256;  // key pairs per packing task
+    const int64_t chunks = (pairs + chunk - 1) / chunk;
+    at::parallel_for(0, hkv * chunks, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) e.pack_values(p, t / chunks, t % chunks * chunk, imin(pairs, (t % chunks + 1) * chunk));
+    });
+  }
   const int64_t q_blocks = (lq + p.block_q - 1) / p.block_q, tasks = q_blocks * hkv;
   const int64_t threads = imin(at::get_num_threads(), tasks);
   const int64_t per_thread = scratch_floats_per_thread(e, d, p.group, p.block_k, rows);
@@ -270,7 +301,7 @@ void flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       Scratch s{};
-      carve_scratch(scratch.data_ptr<float>() + t * per_thread, d, padded_rows(e, p.block_q * p.group), p.block_k, &s);
+      carve_scratch(e, scratch.data_ptr<float>() + t * per_thread, d, padded_rows(e, p.block_q * p.group), p.block_k, &s);
       for (int64_t task; (task = next.fetch_add(1)) < tasks;) {
         const int64_t qb = q_blocks - 1 - task / hkv, h = task % hkv;  // latest (longest) query blocks first
         const int64_t i0 = qb * p.block_q;
@@ -280,11 +311,14 @@ void flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   });
 }
 
-// Bytes of float32 scratch one call allocates (the memory prediction's attention term).
-int64_t scratch_bytes(int64_t head_dim, int64_t group, int64_t threads, const std::string& isa, int64_t block_k, int64_t task_rows) {
+// Bytes one call allocates besides its output (the memory prediction's attention term): the
+// per-thread scratch and, on the pair path, V packed in key pairs (as large as V).
+int64_t scratch_bytes(int64_t head_dim, int64_t group, int64_t kv_heads, int64_t keys, int64_t threads, const std::string& isa,
+                      int64_t block_k, int64_t task_rows) {
   const auto& e = pfa::pick_isa(isa);
-  return threads * 4 * pfa::scratch_floats_per_thread(e, head_dim, group, block_k > 0 ? block_k : pfa::kDefaultBlockK,
-                                                      task_rows > 0 ? task_rows : pfa::kDefaultTaskRows);
+  const int64_t per_thread = pfa::scratch_floats_per_thread(e, head_dim, group, pfa::keys_per_block(e, block_k),
+                                                            task_rows > 0 ? task_rows : pfa::kDefaultTaskRows);
+  return 4 * (threads * per_thread + pfa::packed_value_words(e, kv_heads, keys, head_dim));
 }
 
 std::vector<std::string> isa_names(bool supported_only) {
@@ -303,7 +337,8 @@ at::Tensor exp2_nonpositive(const at::Tensor& x, const std::string& isa) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("flash_attention", &flash_attention, "causal flash attention (bottom-right aligned), out may be q");
-  m.def("scratch_bytes", &scratch_bytes, "float32 scratch bytes of one flash_attention call");
+  m.def("scratch_bytes", &scratch_bytes, "bytes one flash_attention call allocates besides its output");
+  m.def("pair_path", [](const std::string& isa) { return pfa::pick_isa(isa).pairs; }, "whether the ISA entry is a bf16 pair path");
   m.def("supported_isas", [] { return isa_names(true); }, "ISAs this CPU can run, best first");
   m.def("compiled_isas", [] { return isa_names(false); }, "ISAs compiled into this build");
   m.def("exp2_nonpositive", &exp2_nonpositive, "the kernel's 2^x for x <= 0 (accuracy tests)");

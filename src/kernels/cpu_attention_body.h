@@ -1,23 +1,18 @@
-// The ISA-independent body of the CPU flash-attention kernel (cpu_attention.cpp).
+// The float32-FMA product path of the CPU flash-attention kernel (cpu_attention.cpp): float32
+// inputs, and bfloat16 inputs on CPUs without a bf16 dot product (each K/V block widened to
+// float32 per task).
 //
 // Included once per instruction set, inside that ISA's `#pragma GCC target` region and its own
-// namespace, after a struct `V` of vector primitives (W lanes, MR x NV register tile) is defined.
-// Nothing here includes a header or instantiates a library template, so every function compiled
-// from this file carries exactly its region's ISA and no other code can pick it up by accident.
+// namespace, after struct V and cpu_attention_softmax.h. Nothing here includes a header or
+// instantiates a library template, so every function compiled from this file carries exactly its
+// region's ISA and no other code can pick it up by accident.
 //
-// Layout (all float32, per thread, sized by the dispatcher): query rows of a task are the
-// columns of every matrix, so the softmax state of W query rows is one vector and the online
-// softmax needs no horizontal reductions:
+// Layout (all float32, per thread, sized by the dispatcher):
 //   qt [D][rp]   Q^T of the task's rows         st [BK][rp]  scores S^T, then probabilities P^T
 //   ot [D][rp]   the output accumulator O^T     kf, vf [BK][D] one key block of K, V (bf16 input)
 // Both products are `gemm_rows`: C[i][r] (+)= sum_k A(i, k) * B[k][r], A broadcast from memory:
 //   scores  S^T[j][r] = sum_d K[j][d] Q^T[d][r]   (A = K rows, k = d)
 //   output  O^T[d][r] += sum_j V[j][d] P^T[j][r]  (A = V columns, k = j)
-
-using vf = typename V::vf;
-constexpr int W = V::W;
-constexpr int MR = V::MR;  // broadcast rows of a register tile
-constexpr int NV = V::NV;  // vectors of query rows of a register tile
 
 // One register tile: M rows of C, NV vectors wide. The constant loops unroll into registers.
 template <int M>
@@ -67,25 +62,6 @@ inline void gemm_rows(int64_t m, int64_t cols, float* c, int64_t ldc, const floa
   }
 }
 
-// 2^x for x <= 0 (and -inf): x = n + f, n = round(x), f in [-1/2, 1/2]; 2^f by a degree-5
-// polynomial (Chebyshev fit, max relative error 1.7e-7 before float rounding, < 3e-7 measured by
-// tests/test_cpu_attention.py); 2^n added into the exponent bits. Below -125 it returns 0
-// (true value < 2.4e-38), which is also how masked (-inf) scores become probability 0.
-inline vf exp2_nonpositive(vf x) {
-  const vf lo = V::set1(-125.0f);
-  const auto keep = V::ge_mask(x, lo);
-  x = V::max(x, lo);
-  const vf n = V::round(x);
-  const vf f = V::sub(x, n);
-  vf p = V::set1(0.0013400432653725147f);
-  p = V::fmadd(p, f, V::set1(0.009676037356257439f));
-  p = V::fmadd(p, f, V::set1(0.05550327152013779f));
-  p = V::fmadd(p, f, V::set1(0.2402210682630539f));
-  p = V::fmadd(p, f, V::set1(0.6931471824645996f));
-  p = V::fmadd(p, f, V::set1(1.0000001192092896f));
-  return V::mask_and(V::scale_by_pow2(p, n), keep);
-}
-
 // bf16 rows -> float32 rows (n rows of d values, d a multiple of W).
 inline void widen_rows(const uint16_t* src, int64_t src_stride, float* dst, int64_t n, int64_t d) {
   for (int64_t j = 0; j < n; ++j)
@@ -98,13 +74,9 @@ void run_task(const Problem& p, int64_t h, int64_t i0, int64_t nq, const Scratch
   const int64_t rows = nq * g;
   const int64_t rp = (rows + NV * W - 1) / (NV * W) * (NV * W);
   pack_queries(p, h, i0, nq, rp, s.qt);
-  for (int64_t x = 0; x < d * rp; ++x) s.ot[x] = 0.f;
-  for (int64_t r = 0; r < rp; ++r) {
-    s.m[r] = -INFINITY;
-    s.l[r] = 0.f;
-  }
+  reset_state(s.ot, s.m, s.l, d, rp);
   const vf c = V::set1(p.scale_log2);
-  const int64_t first_pos = p.offset + i0;               // absolute position of the task's first query
+  const int64_t first_pos = p.offset + i0;            // absolute position of the task's first query
   const int64_t kv_end = imin(p.lk, first_pos + nq);  // keys visible to its last query
   for (int64_t j0 = 0; j0 < kv_end; j0 += bk) {
     const int64_t nk = imin(bk, kv_end - j0);
@@ -121,20 +93,11 @@ void run_task(const Problem& p, int64_t h, int64_t i0, int64_t nq, const Scratch
     }
     // S^T[j][r] = K[j] . Q[r]
     gemm_rows(nk, rp, s.st, rp, kb, ks, 1, s.qt, rp, d, false);
-    // causal: key j0 + j is visible to row r when its query position first_pos + r / g >= j0 + j
-    if (j0 + nk - 1 > first_pos) {
-      for (int64_t j = 0; j < nk; ++j) {
-        const int64_t hidden = imin(rp, (j0 + j - first_pos) * g);  // rows [0, hidden) cannot see key j
-        float* row = s.st + j * rp;
-        for (int64_t r = 0; r < hidden; ++r) row[r] = -INFINITY;
-      }
-    }
+    mask_future_keys(s.st, nk, rp, j0, first_pos, g);
     // online softmax, W query rows at a time, in log2 units (scores * scale * log2 e)
     for (int64_t r = 0; r < rp; r += W) {
-      vf mx = V::set1(-INFINITY);
-      for (int64_t j = 0; j < nk; ++j) mx = V::max(mx, V::load(s.st + j * rp + r));
       const vf m_old = V::load(s.m + r);
-      const vf m_new = V::max(m_old, V::mul(mx, c));  // finite: key 0 is visible to every row
+      const vf m_new = block_max(s.st, nk, rp, r, c, m_old);
       const vf neg_m = V::sub(V::zero(), m_new);
       vf sum = V::zero();
       for (int64_t j = 0; j < nk; ++j) {
@@ -142,25 +105,10 @@ void run_task(const Problem& p, int64_t h, int64_t i0, int64_t nq, const Scratch
         V::store(s.st + j * rp + r, pj);
         sum = V::add(sum, pj);
       }
-      const vf alpha = exp2_nonpositive(V::sub(m_old, m_new));  // 0 on the first block (m_old = -inf)
-      V::store(s.m + r, m_new);
-      V::store(s.l + r, V::fmadd(V::load(s.l + r), alpha, sum));
-      for (int64_t x = 0; x < d; ++x) V::store(s.ot + x * rp + r, V::mul(V::load(s.ot + x * rp + r), alpha));
+      update_rows(s.m, s.l, s.ot, d, rp, r, m_old, m_new, sum);
     }
     // O^T[x][r] += sum_j V[j][x] P^T[j][r]
     gemm_rows(d, rp, s.ot, rp, vb, 1, vs, s.st, rp, nk, true);
   }
   write_output(p, h, i0, nq, rp, s.ot, s.l);
-}
-
-// The exponential alone, for its accuracy test.
-void exp2_array(const float* x, float* y, int64_t n) {
-  int64_t i = 0;
-  for (; i + W <= n; i += W) V::store(y + i, exp2_nonpositive(V::load(x + i)));
-  if (i < n) {
-    float xin[W], yout[W];
-    for (int k = 0; k < W; ++k) xin[k] = i + k < n ? x[i + k] : 0.f;
-    V::store(yout, exp2_nonpositive(V::load(xin)));
-    for (int64_t k = 0; i + k < n; ++k) y[i + k] = yout[k];
-  }
 }

@@ -15,8 +15,10 @@ Vectorized is only as wide as its CPU_CAPABILITY), under a module name that incl
 a host with other flags builds and loads its own copy instead of running foreign instructions.
 The attention kernel is compiled for baseline x86-64 with per-ISA regions inside and picks its
 instruction set at run time from the CPU's flags: one build runs anywhere.
-PREFILLONLY_CPU_ATTENTION_ISA=avx2|avx512 forces one of its paths (an error where the CPU
-lacks it); `auto` (the default) takes the best the CPU has.
+PREFILLONLY_CPU_ATTENTION_ISA=avx512_bf16|avx512|avx2|avx512_pairs|avx2_pairs forces one of
+its variants (an error where the CPU lacks it); `auto` (the default) takes the best the CPU has,
+a native bf16 dot-product variant only after a self-check against its portable reference
+(attention_isa).
 
 Both are built with -fopenmp: their loops split rows with at::parallel_for, which is a header
 template and runs serially unless the extension itself is compiled with OpenMP.
@@ -29,11 +31,13 @@ import os
 import threading
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / "cpu_bindings.cpp", _HERE / "cpu_ops.cpp"]
-ATTENTION_SOURCES = [_HERE / "cpu_attention.cpp"]  # includes cpu_attention_body.h
+ATTENTION_SOURCES = [_HERE / "cpu_attention.cpp"]  # includes cpu_vec_*.h, cpu_attention_{softmax,body,pairs}.h
 ATTENTION_ISA = os.environ.get("PREFILLONLY_CPU_ATTENTION_ISA", "auto")
 _OPENMP = ("-fopenmp",)  # a tuple: torch's load() appends its libraries to the list it is given
 _lock = threading.Lock()
@@ -89,6 +93,73 @@ def load_attention():
 def why_attention_unavailable() -> str | None:
     load_attention()
     return _attention_state["error"]
+
+
+# The native variants of the attention kernel, each with the portable path that computes the same
+# thing through the instruction's documented semantics (same layout, same bf16 rounding of P):
+# a native variant is used only after it agreed with its reference once in this process.
+NATIVE_ATTENTION = {"avx512_bf16": "avx512_pairs"}
+_FMA_PATHS = ("avx512", "avx2")  # float32-FMA paths, best first
+
+
+def attention_isa(dtype: torch.dtype) -> str:
+    """The kernel variant attention on `dtype` inputs runs on in this process: the ISA forced by
+    PREFILLONLY_CPU_ATTENTION_ISA, else the CPU's best (for bfloat16 a native bf16 dot-product
+    path once its self-check passed, else the best float32-FMA path)."""
+    if ATTENTION_ISA != "auto":
+        return ATTENTION_ISA
+    module = load_attention()
+    if module is None:
+        raise RuntimeError(f"CPU flash attention unavailable: {why_attention_unavailable()}")
+    with _lock:
+        key = ("isa", dtype)
+        if key not in _attention_state:
+            _attention_state[key] = choose_isa(module.supported_isas(), dtype, lambda isa, *t: _run_kernel(module, isa, *t))
+        return _attention_state[key]
+
+
+def choose_isa(supported: list[str], dtype: torch.dtype, run) -> str:
+    """The first native variant in `supported` that passes its self-check for bfloat16, else the
+    best float32-FMA path. `run(isa, q, k, v)` computes attention on one variant (injectable so
+    the choice can be tested with any set of flags)."""
+    fallback = next((isa for isa in _FMA_PATHS if isa in supported), None)
+    if fallback is None:
+        raise RuntimeError(f"CPU flash attention: no float32 path among {supported}")
+    if dtype != torch.bfloat16:
+        return fallback
+    for native, reference in NATIVE_ATTENTION.items():
+        if native in supported and reference in supported:
+            problem = self_check_mismatch(native, reference, run)
+            if problem is None:
+                log.info("prefillonly: CPU attention uses %s (self-check against %s passed)", native, reference)
+                return native
+            log.warning("prefillonly: CPU attention's %s path disagrees with its portable reference %s (%s); "
+                        "using %s instead", native, reference, problem, fallback)
+    return fallback
+
+
+def self_check_mismatch(native: str, reference: str, run) -> str | None:
+    """None when `native` computes what `reference` does on small random attentions (odd key
+    counts, a cached prefix, GQA, head_dim 64 and 128), else what differed. Both round P to bf16
+    the same way, so they agree to float32 accumulation order: within 2 bf16 ulps of the output."""
+    g = torch.Generator().manual_seed(1234)
+    for hkv, group, lq, prefix, d in ((2, 3, 37, 29, 64), (1, 1, 5, 0, 128), (1, 8, 1, 70, 64)):
+        q = torch.randn(hkv * group, lq, d, generator=g).bfloat16()
+        k = torch.randn(hkv, prefix + lq, d, generator=g).bfloat16()
+        v = torch.randn(hkv, prefix + lq, d, generator=g).bfloat16()
+        got, want = run(native, q, k, v).float(), run(reference, q, k, v).float()
+        if not torch.isfinite(got).all():
+            return f"non-finite output at {lq} queries over {prefix} cached, head_dim {d}"
+        err, bound = (got - want).abs().max().item(), 2.0 ** -7 * want.abs().max().item()
+        if not err <= bound:
+            return f"max difference {err:.3g} over the bound {bound:.3g} at {lq} queries over {prefix} cached, head_dim {d}"
+    return None
+
+
+def _run_kernel(module, isa: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(q)
+    module.flash_attention(q, k, v, out, q.shape[-1] ** -0.5, isa, 0, 0)
+    return out
 
 
 def _put_ninja_on_path() -> None:

@@ -1,0 +1,57 @@
+// Vector primitives of the AVX2+FMA path (8 float lanes). Included inside that ISA's
+// `#pragma GCC target` region and namespace (cpu_attention.cpp, cpu_ops.cpp): everything here is
+// inline and compiled with the region's ISA only. No include guard: each region includes it anew.
+//
+// The bf16 pair primitives follow VDPBF16PS's documented semantics (each fp32 lane accumulates
+// the products of one pair of bf16 values: the odd (high) element's product first, then the even
+// one's, each an fp32 FMA) so the pair-packed kernel runs, and is tested, on hosts without the
+// instruction.
+struct V {
+  using vf = __m256;
+  using vi = __m256i;  // 8 lanes of a bf16 pair each (low half: even element, high half: odd)
+  using vm = __m256;   // comparison mask
+  static constexpr int W = 8, MR = 4, NV = 3;  // 12 accumulators of 16 registers
+  static inline vf load(const float* p) { return _mm256_loadu_ps(p); }
+  static inline void store(float* p, vf x) { _mm256_storeu_ps(p, x); }
+  static inline vf zero() { return _mm256_setzero_ps(); }
+  static inline vf set1(float x) { return _mm256_set1_ps(x); }
+  static inline vf broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static inline vf fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+  static inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+  static inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
+  static inline vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+  static inline vf max(vf a, vf b) { return _mm256_max_ps(a, b); }
+  static inline vf round(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static inline vm ge_mask(vf a, vf b) { return _mm256_cmp_ps(a, b, _CMP_GE_OQ); }
+  static inline vm gt_mask(vf a, vf b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
+  static inline bool any(vm m) { return _mm256_movemask_ps(m) != 0; }
+  static inline vf select(vm m, vf if_false, vf if_true) { return _mm256_blendv_ps(if_false, if_true, m); }
+  static inline vf mask_and(vf x, vm m) { return _mm256_and_ps(x, m); }
+  static inline vf scale_by_pow2(vf x, vf n) {  // x * 2^n for integral n, through the exponent bits
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(x), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23)));
+  }
+  static inline vf load_bf16(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  }
+  // -- bf16 pairs --
+  static inline vi load_pairs(const uint32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static inline void store_pairs(uint32_t* p, vi x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x); }
+  static inline vi broadcast_pair(const uint16_t* p) {
+    int32_t word;
+    std::memcpy(&word, p, 4);
+    return _mm256_set1_epi32(word);
+  }
+  // acc + a.odd * b.odd + a.even * b.even per lane, two fp32 FMAs in that order
+  static inline vf dot_pairs(vf acc, vi a, vi b) {
+    const vi high = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
+    acc = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(a, high)), _mm256_castsi256_ps(_mm256_and_si256(b, high)), acc);
+    return _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)), acc);
+  }
+  // two float vectors rounded to bf16 (nearest even; finite inputs) and interleaved: lane r = (even[r], odd[r])
+  static inline vi pack_pairs(vf even, vf odd) {
+    const vi e = _mm256_castps_si256(even), o = _mm256_castps_si256(odd), one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
+    const vi er = _mm256_add_epi32(e, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(e, 16), one)));
+    const vi orr = _mm256_add_epi32(o, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(o, 16), one)));
+    return _mm256_or_si256(_mm256_srli_epi32(er, 16), _mm256_and_si256(orr, _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u))));
+  }
+};
