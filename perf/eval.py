@@ -333,13 +333,11 @@ def warm_up_server(backend, trace: wl.Trace) -> None:
 
 
 def our_model_repository(args) -> Path:
-    """The repository's Triton models, with this run's dtype and step budget when they differ
-    from the shipped config (a copy under the git-ignored work folder)."""
-    params = {"dtype": args.dtype} if args.dtype != "bfloat16" else {}
+    """The repository's Triton models with this run's dtype (always explicit: the shipped config
+    says "auto", which differs by host) and step budget (a copy under the git-ignored work folder)."""
+    params = {"dtype": args.dtype}
     if args.max_batch_tokens:
         params["max_batch_tokens"] = str(args.max_batch_tokens)
-    if not params:
-        return bu.REPO_ROOT / "model_repository"
     import shutil
 
     from prefillonly.serving.testing import copy_model_repository

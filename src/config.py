@@ -2,6 +2,9 @@
 
 The Triton model and the CLI build it from their own inputs (strings allowed: "bfloat16",
 "2048", "none"); nothing below the engine reads the environment.
+
+dtype "auto" (the default) is resolved here, once, by hardware.resolve_dtype: after construction
+`dtype` is always a concrete dtype, `requested_dtype` what was asked for and `dtype_reason` why.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import MISSING, dataclass, field, fields
 import torch
 
 from .errors import ConfigError
+from .hardware import resolve_dtype
 from .kernels.attention import BACKENDS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -33,7 +37,8 @@ class EngineConfig:
     # The one place each engine default is written: the scheduler, the CLI and the simulator read
     # theirs with EngineConfig.default_of(name); a field's "help" metadata is its CLI help.
     model: str | None = field(default=None, metadata={"help": "HF checkpoint folder (default: embedded SmolLM2-135M-Instruct)"})
-    dtype: str = field(default="bfloat16", metadata={"help": "float32 | bfloat16 | float16 (CUDA)"})  # float16 on CUDA only
+    dtype: str = field(default="auto", metadata={"help": "auto | float32 | bfloat16 | float16 (CUDA); auto = bfloat16 on CUDA "
+                                                          "and on CPUs with a native bf16 dot product, else float32"})
     device: str = "cpu"  # cpu | cuda | cuda:N
     chunk_size: int | None = field(default=2048, metadata={"help": "tokens per chunk; 0 = no chunking"})  # per-token ops; None = no chunking too
     max_input_len: int | None = None  # None = the model's context length; larger is an explicit override
@@ -52,16 +57,23 @@ class EngineConfig:
     max_waiting: int = 1024  # waiting requests beyond this are refused at once ("overloaded")
     max_batch_tokens: int | None = None  # uncached tokens one forward step may pack; None = the device's default; 1 = no batching
     cache_dir: str = field(default_factory=default_cache_dir)  # converted default model
+    # Set by __post_init__, not arguments: the dtype as asked ("auto" or a dtype) and why `dtype`
+    # is what it is ("explicit", or the auto rule that chose it). Not compared: an "auto" config
+    # equals the explicit one it resolved to (they build the same engine).
+    requested_dtype: str = field(default="", init=False, compare=False)
+    dtype_reason: str = field(default="", init=False, compare=False)
 
     def __post_init__(self) -> None:
-        self.dtype = _DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+        requested = "auto" if self.dtype is None else _DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())
+        if requested != "auto" and requested not in DTYPES:
+            raise ConfigError(f"dtype {requested!r} is not supported; choose one of auto, {', '.join(DTYPES)}")
         self.device = str(self.device).lower()
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
             raise ConfigError(f"device {self.device!r} is not supported; use 'cpu', 'cuda' or 'cuda:N'")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device {self.device!r} requested but CUDA is not available in this process")
+        self.requested_dtype = requested
+        self.dtype, self.dtype_reason = resolve_dtype(requested, self.device)
         if self.dtype == "float16" and self.device == "cpu":
             raise ConfigError("dtype float16 is only supported on CUDA; use bfloat16 or float32 on CPU")
         self.chunk_size = _optional_int("chunk_size", self.chunk_size, minimum=0) or None
@@ -101,7 +113,7 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return DTYPES[self.dtype]  # dtype is concrete once constructed ("auto" resolved)
 
     @property
     def torch_device(self) -> torch.device:
@@ -125,7 +137,7 @@ class EngineConfig:
     @classmethod
     def from_strings(cls, values: dict[str, str]) -> "EngineConfig":
         """Build from string settings (Triton parameters, CLI); unknown keys are an error."""
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"unknown engine setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")

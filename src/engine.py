@@ -61,6 +61,7 @@ class Engine:
         self.spec = ModelSpec.from_folder(self.model_path)
         self.device = config.torch_device
         self.dtype = config.torch_dtype
+        log.info("dtype %s (%s)", config.dtype, config.dtype_reason)  # what dtype="auto" chose here, and why
         weights = ModelWeights.load(self.model_path, self.spec, self.dtype, self.device)
         self.weight_bytes = weights.nbytes()
         backend = resolve_backend(config.attention_backend, self.device)
@@ -164,12 +165,14 @@ class Engine:
         return self.submit_items(prompt, items, allowed_tokens, **kwargs).result()
 
     def stats(self) -> dict:
-        """Counters for metrics: requests by outcome, waiting, JCT error, prefix cache, steps."""
+        """Counters for metrics: requests by outcome, waiting, JCT error, prefix cache, steps; and
+        the compute dtype with why it was chosen (EngineConfig.dtype_reason)."""
         with self._cv:
             waiting = len(self.scheduler)
             steps, recent = self._steps, list(self._recent_steps)
         out = {"waiting": waiting, **self.counters, "jct_mean_abs_rel_error": self.jct.mean_abs_relative_error(),
-               "tokens_computed": self.executor.tokens_computed, "steps": steps, "recent_steps": recent}
+               "tokens_computed": self.executor.tokens_computed, "steps": steps, "recent_steps": recent,
+               "dtype": self.config.dtype, "dtype_reason": self.config.dtype_reason}
         out["budget_bytes"] = {"weights": self.weight_bytes, "activation": self.activation_budget_bytes,
                                **{f"cache_tier{t}": b for t, b in (self.cache.capacity_bytes() if self.cache else {}).items()}}
         if self.cache is not None:

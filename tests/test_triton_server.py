@@ -179,15 +179,32 @@ def test_ready_only_after_a_warm_up_request(server):
     values = scrape_metrics(server.metrics_url)
     assert values["prefillonly_warmup_seconds"] > 0
     assert "prefillonly: engine ready and warm" in server.log_tail(10**7)
+    # the compute dtype and why: the ready log line and the info gauge (an explicit float32 here)
+    assert "dtype float32: explicit" in server.log_tail(10**7)
+    info = [k for k in values if k.startswith("prefillonly_engine_info")]
+    assert len(info) == 1 and values[info[0]] == 1
+    assert 'dtype="float32"' in info[0] and 'dtype_reason="explicit"' in info[0]
 
 
-def test_default_model_over_http_generate(tmp_path, default_engine):
-    """The one server test on the embedded default model: real tokens, real probabilities."""
-    repo = copy_model_repository(REPO, tmp_path / "repo", models=("prefillonly",), dtype="float32", threads="1")
+def test_default_model_over_http_generate(tmp_path):
+    """The one server test on the embedded default model: real tokens, real probabilities, with
+    the shipped config's dtype ("auto": what this host resolves it to), reported by the model."""
+    from prefillonly import Engine, EngineConfig
+    from prefillonly.hardware import cpu_flags, resolve_dtype
+    from prefillonly.serving import prometheus
+
+    assert 'key: "dtype" value: { string_value: "auto" }' in (REPO / "prefillonly" / "config.pbtxt").read_text()
+    dtype, reason = resolve_dtype("auto", "cpu", cpu_flags())
+    repo = copy_model_repository(REPO, tmp_path / "repo", models=("prefillonly",), threads="1")
     with running_server(repo, ready_timeout=180) as s:
         status, out = generate(s, {"text_input": PROMPT, "allowed_tokens": [" Yes", " No"]})
+        info = [x for x in prometheus.scrape(s.metrics_url, timeout_s=30, attempts=50) if x.name == "prefillonly_engine_info"]
+        log = s.log_tail(10**7)
     assert status == 200, out
-    want = default_engine.score(PROMPT, [" Yes", " No"])
+    assert [(x.labels, x.value) for x in info] == [({"dtype": dtype, "dtype_reason": reason}, 1.0)]
+    assert f"dtype {dtype}: {reason}" in log
+    with Engine(EngineConfig(threads=1)) as engine:  # the same settings in process: dtype auto too
+        want = engine.score(PROMPT, [" Yes", " No"])
     assert out["allowed_logprobs"] == pytest.approx([t.logprob for t in want.tokens], abs=1e-4)
     assert out["chosen_token"] == want.chosen.text == " Yes"
 

@@ -5,7 +5,9 @@ pb_utils module so nothing here imports Triton.
 Counters are published as deltas of the engine's cumulative counts (Triton counters only go up),
 counted from the stats the model passes at start (so the warm-up request is not a served one).
 Request latency is a histogram (pb_utils.MetricFamily.HISTOGRAM, Triton 2.51+) observed by the
-model as each request is answered.
+model as each request is answered. prefillonly_engine_info is an "info" gauge (always 1) whose
+labels carry what the engine chose at start: its compute dtype and why (dtype="auto" picks per
+host), which /v2/models/prefillonly/config cannot show (it has the config.pbtxt's "auto").
 """
 
 from __future__ import annotations
@@ -59,6 +61,14 @@ _METRICS = [
     ("prefillonly_warmup_seconds", "GAUGE", "Seconds the warm-up request took before the model reported ready", {}),
 ]
 
+_INFO = "prefillonly_engine_info"
+
+
+def engine_info_labels(stats: dict) -> dict[str, str]:
+    """The labels of prefillonly_engine_info: the engine's compute dtype and why it was chosen."""
+    return {"dtype": str(stats.get("dtype", "")), "dtype_reason": str(stats.get("dtype_reason", ""))}
+
+
 _LATENCY = "prefillonly_request_latency_seconds"
 # queue: received -> the engine starts it; total: received -> answered (requests the engine took)
 _LATENCY_PHASES = ("queue", "total")
@@ -85,6 +95,10 @@ class EngineMetrics:
         self._steps = {}
         for name, (description, buckets) in _STEP_HISTOGRAMS.items():
             self._steps[name] = self._family(pb_utils, name, "HISTOGRAM", description).Metric(labels={}, buckets=buckets)
+        # constant for the engine's life: one series, value 1, the choices in its labels
+        info = self._family(pb_utils, _INFO, "GAUGE", "Engine choices made at start (labels; value 1): compute dtype and why")
+        self._info = info.Metric(labels=engine_info_labels(baseline))
+        self._info.set(1)
         self._steps_seen = baseline.get("steps", 0)
         self._last = {key: float(value_of(baseline)) for key, (_, kind, value_of) in self._metrics.items()
                       if kind == "COUNTER"}

@@ -10,7 +10,8 @@ drain file (prefillonly.serving.drain) closes the engine before Triton's shutdow
 client cancels it while it still waits is taken out of the engine's queue (InFlightWatcher, in
 prefillonly.serving.inflight with the rest of the bookkeeping of requests in flight).
 initialize() runs one warm-up request, so Triton reports the model ready only once it is warm.
-Logs: one line per event, with the request id.
+Logs: one line per event, with the request id; the ready line names the compute dtype and why
+(dtype "auto" picks per host), which the metrics' prefillonly_engine_info labels carry too.
 """
 
 import json
@@ -48,8 +49,9 @@ class TritonPythonModel:
         self.drain = DrainWatch(drain_file_from_env())
         self.watcher = InFlightWatcher(WATCH_INTERVAL_S, on_tick=lambda: self.metrics.update(self.engine.stats()),
                                        on_round=self._check_drain, warn=pb_utils.Logger.log_warn)
-        pb_utils.Logger.log_info(f"prefillonly: engine ready and warm ({self.engine.model_path}; "
-                                 f"warm-up request of {WARMUP_TOKENS} tokens took {warmup_s * 1e3:.0f} ms)")
+        cfg = self.engine.config
+        pb_utils.Logger.log_info(f"prefillonly: engine ready and warm ({self.engine.model_path}; dtype {cfg.dtype}: "
+                                 f"{cfg.dtype_reason}; warm-up request of {WARMUP_TOKENS} tokens took {warmup_s * 1e3:.0f} ms)")
 
     def _warm_up(self) -> float:
         """One short request through the whole engine path (queue, cache, forward, scoring),
