@@ -60,10 +60,17 @@ def main(argv: list[str] | None = None) -> int:
             from .kernels import cpu_ext
 
             # build the compiled CPU kernels now, not in the first request (or the server's load)
-            print("compiled CPU kernels:", "ready" if cpu_ext.load() is not None else f"unavailable ({cpu_ext.why_unavailable()})")
+            ops = cpu_ext.load()
+            print("compiled CPU kernels:", f"ready ({ops.active_isa()} on this CPU)" if ops is not None
+                  else f"unavailable ({cpu_ext.why_unavailable()})")
             attention = cpu_ext.load_attention()
-            print("CPU flash attention:", f"ready ({', '.join(attention.supported_isas())} on this CPU)" if attention is not None
-                  else f"unavailable, attention runs on torch SDPA ({cpu_ext.why_attention_unavailable()})")
+            if attention is not None:  # also runs the native bf16 path's self-check once
+                import torch
+
+                print(f"CPU flash attention: ready (bfloat16 on {cpu_ext.attention_isa(torch.bfloat16)}, float32 on "
+                      f"{cpu_ext.attention_isa(torch.float32)}; variants this CPU runs: {', '.join(attention.supported_isas())})")
+            else:
+                print(f"CPU flash attention: unavailable, attention runs on torch SDPA ({cpu_ext.why_attention_unavailable()})")
             return 0
         from .engine import Engine
 

@@ -10,11 +10,15 @@ If one cannot be built here (no compiler, say), `load()` / `load_attention()` re
 reason is logged once and kept in `why_unavailable()`, and the ops fall back to torch (the
 attention to SDPA). PREFILLONLY_CPU_KERNELS=0 forces the fallback (to compare the two).
 
-ISA safety. The per-token ops are compiled for the ISA of the host that builds them (ATen's
-Vectorized is only as wide as its CPU_CAPABILITY), under a module name that includes that ISA, so
-a host with other flags builds and loads its own copy instead of running foreign instructions.
-The attention kernel is compiled for baseline x86-64 with per-ISA regions inside and picks its
-instruction set at run time from the CPU's flags: one build runs anywhere.
+ISA safety. Both modules are compiled for baseline x86-64 (no -m flags) under one name whatever
+the building host's CPU, with per-ISA regions inside (`#pragma GCC target`, nothing in a region
+but intrinsics and our own inline code), and pick their instruction set at run time from the
+CPU's flags: one build runs on any x86-64 host and never executes an instruction it lacks.
+The per-token ops have an AVX-512 (F/BW/DQ/VL) and an AVX2+FMA path; a CPU with neither gets
+None from `load()` ("the CPU has neither AVX2+FMA nor AVX-512") and the torch ops.
+PREFILLONLY_CPU_OPS_ISA=avx512|avx2 forces one path for the ops (an error at the op where the
+CPU lacks it); `auto` (the default) takes the best the CPU has (each op also takes isa=..., and
+the module lists supported_isas() / compiled_isas(), for tests).
 PREFILLONLY_CPU_ATTENTION_ISA=avx512_bf16|avx512|avx2|avx512_pairs|avx2_pairs forces one of
 its variants (an error where the CPU lacks it); `auto` (the default) takes the best the CPU has,
 a native bf16 dot-product variant only after a self-check against its portable reference
@@ -33,10 +37,14 @@ from pathlib import Path
 
 import torch
 
+from ..hardware import cpu_flags
+
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = [_HERE / "cpu_bindings.cpp", _HERE / "cpu_ops.cpp"]
+SOURCES = [_HERE / "cpu_bindings.cpp", _HERE / "cpu_ops.cpp"]  # cpu_ops.cpp includes cpu_vec_*.h, cpu_ops_body.h
+OPS_MODULE = "prefillonly_cpu_ops"  # one name and baseline flags on every host: the ISA is picked at run time
+OPS_ISA = os.environ.get("PREFILLONLY_CPU_OPS_ISA", "auto")
 ATTENTION_SOURCES = [_HERE / "cpu_attention.cpp"]  # includes cpu_vec_*.h, cpu_attention_{softmax,body,pairs}.h
 ATTENTION_ISA = os.environ.get("PREFILLONLY_CPU_ATTENTION_ISA", "auto")
 _OPENMP = ("-fopenmp",)  # a tuple: torch's load() appends its libraries to the list it is given
@@ -46,30 +54,28 @@ _attention_state: dict = {}
 
 
 def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.split(":", 1)[-1].split())
+    """The CPU's /proc/cpuinfo flags (one reader for the whole package: hardware.cpu_flags)."""
+    return set(cpu_flags())
 
 
-def _isa() -> tuple[str, list[str]]:
-    """ATen's Vectorized<float> is only as wide as the CPU_CAPABILITY it is compiled for."""
-    flags = _cpu_flags()
-    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
-        return "avx512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512"]
-    if {"avx2", "fma"} <= flags:
-        return "avx2", ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2"]
-    return "generic", []
+def _isa() -> str:
+    """The ops' forced path (PREFILLONLY_CPU_OPS_ISA), 'auto' by default. It only selects among the
+    paths compiled into the one build; the build itself never depends on the host's flags."""
+    return OPS_ISA
 
 
 def load():
-    """The compiled per-token ops, or None when they cannot be built here."""
+    """The compiled per-token ops, or None when they cannot be built here or the CPU has none of
+    their instruction sets."""
     with _lock:
         if "module" not in _state:
-            isa, flags = _isa()
-            _state["module"], _state["error"] = _build(f"prefillonly_cpu_kernels_{isa}", SOURCES, flags)
+            module, error = _build(OPS_MODULE, SOURCES, [])
+            if module is not None and not module.supported_isas():
+                module, error = None, "the CPU has neither AVX2+FMA nor AVX-512"
+                log.warning("prefillonly: compiled CPU ops unavailable, using torch ops (%s)", error)
+            if module is not None:
+                module.set_default_isa(_isa())
+            _state["module"], _state["error"] = module, error
         return _state["module"]
 
 

@@ -54,4 +54,57 @@ struct V {
     const vi orr = _mm256_add_epi32(o, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(o, 16), one)));
     return _mm256_or_si256(_mm256_srli_epi32(er, 16), _mm256_and_si256(orr, _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u))));
   }
+  // -- per-token ops -- (cpu_ops_body.h: rows of any length, bf16 rows rounded on store)
+  static inline vf min(vf a, vf b) { return _mm256_min_ps(a, b); }
+  static inline float reduce_add(vf x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  static inline vi tail_mask(int n) {  // lanes [0, n) set, 0 <= n <= W
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static inline vf load_n(const float* p, int n) { return _mm256_maskload_ps(p, tail_mask(n)); }  // lanes >= n: 0
+  static inline void store_n(float* p, vf x, int n) { _mm256_maskstore_ps(p, tail_mask(n), x); }
+  static inline vf load_bf16_n(const uint16_t* p, int n) {
+    uint16_t b[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int k = 0; k < n; ++k) b[k] = p[k];
+    return load_bf16(b);
+  }
+  // each lane rounded to bf16 (nearest even, as torch rounds; NaN stays NaN, quiet bit set), in its low 16 bits
+  static inline vi bf16_bits(vf x) {
+    const vi u = _mm256_castps_si256(x), high = _mm256_srli_epi32(u, 16);
+    const vi bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(high, _mm256_set1_epi32(1)));
+    const vi rounded = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+    const vi nan = _mm256_or_si256(high, _mm256_set1_epi32(0x40));
+    return _mm256_blendv_epi8(rounded, nan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+  }
+  static inline __m128i to_bf16(vf x) {
+    const vi r = bf16_bits(x);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));  // values <= 0xffff: no saturation
+  }
+  static inline void store_bf16(uint16_t* p, vf x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16(x)); }
+  static inline void store_bf16_n(uint16_t* p, vf x, int n) {
+    uint16_t b[8];
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(b), to_bf16(x));
+    for (int k = 0; k < n; ++k) p[k] = b[k];
+  }
+  // 2W bf16 as two float vectors in a lane order of their own (elementwise math only: store_bf16_2
+  // puts them back in place); cheaper than two load_bf16 / store_bf16
+  static inline void load_bf16_2(const uint16_t* p, vf* lo, vf* hi) {
+    const vi x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), z = _mm256_setzero_si256();
+    *lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, x));
+    *hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, x));
+  }
+  static inline void store_bf16_2(uint16_t* p, vf lo, vf hi) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_packus_epi32(bf16_bits(lo), bf16_bits(hi)));
+  }
+  // 1 / x for normal x: the 12-bit estimate and two Newton steps r += r (1 - x r) (~1 ulp, 1 / 1 = 1;
+  // results below FLT_MIN flush to 0)
+  static inline vf recip(vf x) {
+    const vf one = _mm256_set1_ps(1.0f);
+    vf r = _mm256_rcp_ps(x);
+    r = _mm256_fmadd_ps(r, _mm256_fnmadd_ps(x, r, one), r);
+    return _mm256_fmadd_ps(r, _mm256_fnmadd_ps(x, r, one), r);
+  }
 };

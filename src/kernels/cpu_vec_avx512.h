@@ -56,4 +56,37 @@ struct V {
     const vi orr = _mm512_add_epi32(o, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(o, 16), one)));
     return _mm512_or_si512(_mm512_srli_epi32(er, 16), _mm512_and_si512(orr, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))));
   }
+  // -- per-token ops -- (cpu_ops_body.h: rows of any length, bf16 rows rounded on store)
+  static inline vf min(vf a, vf b) { return _mm512_min_ps(a, b); }
+  static inline float reduce_add(vf x) { return _mm512_reduce_add_ps(x); }
+  static inline vm tail_mask(int n) { return static_cast<vm>((1u << n) - 1u); }  // lanes [0, n) set, 0 <= n <= W
+  static inline vf load_n(const float* p, int n) { return _mm512_maskz_loadu_ps(tail_mask(n), p); }  // lanes >= n: 0
+  static inline void store_n(float* p, vf x, int n) { _mm512_mask_storeu_ps(p, tail_mask(n), x); }
+  static inline vf load_bf16_n(const uint16_t* p, int n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(tail_mask(n), p)), 16));
+  }
+  // each lane rounded to bf16 (nearest even, as torch rounds; NaN stays NaN, quiet bit set), in its low 16 bits
+  static inline vi bf16_bits(vf x) {
+    const vi u = _mm512_castps_si512(x), high = _mm512_srli_epi32(u, 16);
+    const vi bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(high, _mm512_set1_epi32(1)));
+    const vi rounded = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+    return _mm512_mask_or_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), high, _mm512_set1_epi32(0x40));
+  }
+  static inline void store_bf16(uint16_t* p, vf x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(x))); }
+  static inline void store_bf16_n(uint16_t* p, vf x, int n) { _mm256_mask_storeu_epi16(p, tail_mask(n), _mm512_cvtepi32_epi16(bf16_bits(x))); }
+  // 2W bf16 as two float vectors in a lane order of their own (elementwise math only: store_bf16_2
+  // puts them back in place); cheaper than two load_bf16 / store_bf16
+  static inline void load_bf16_2(const uint16_t* p, vf* lo, vf* hi) {
+    const vi x = _mm512_loadu_si512(p), z = _mm512_setzero_si512();
+    *lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, x));
+    *hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, x));
+  }
+  static inline void store_bf16_2(uint16_t* p, vf lo, vf hi) {
+    _mm512_storeu_si512(p, _mm512_packus_epi32(bf16_bits(lo), bf16_bits(hi)));  // values <= 0xffff: no saturation
+  }
+  // 1 / x for normal x: the 14-bit estimate and one Newton step r += r (1 - x r) (~1 ulp, 1 / 1 = 1)
+  static inline vf recip(vf x) {
+    const vf r = _mm512_rcp14_ps(x);
+    return _mm512_fmadd_ps(r, _mm512_fnmadd_ps(x, r, _mm512_set1_ps(1.0f)), r);
+  }
 };
