@@ -217,8 +217,16 @@ const IsaEntry& pick_isa(const std::string& name) {
   TORCH_CHECK(false, "cpu flash attention: unknown ISA '", name, "' (auto, avx512_bf16, avx512, avx2, avx512_pairs, avx2_pairs)");
 }
 
-constexpr int64_t kDefaultBlockK = 64;
-constexpr int64_t kDefaultTaskRows = 120;  // query rows (queries x group) per task, before padding
+// Keys per block and query rows (queries x group) per task, before padding. The pair path's
+// products are twice as fast per instruction, so it takes longer key blocks (fewer loads and
+// stores of the accumulators per product) and smaller tasks (its st/pp tiles stay in L1): 3-5%
+// faster than 64 / 120 on a Zen4 host (SmolLM2's heads, causal 4K and 150 over 2K cached).
+constexpr int64_t kDefaultBlockK = 64, kDefaultPairBlockK = 128;
+constexpr int64_t kDefaultTaskRows = 120, kDefaultPairTaskRows = 60;
+
+int64_t task_rows_of(bool pairs, int64_t task_rows) {
+  return task_rows > 0 ? task_rows : pairs ? kDefaultPairTaskRows : kDefaultTaskRows;
+}
 
 int64_t queries_per_task(int64_t group, int64_t task_rows) { return task_rows / group > 1 ? task_rows / group : 1; }
 
@@ -226,7 +234,7 @@ int64_t padded_rows(const IsaEntry& e, int64_t rows) { return (rows + e.tile_col
 
 // keys per block: the pair path needs an even count (key pairs never straddle two blocks)
 int64_t keys_per_block(const IsaEntry& e, int64_t block_k) {
-  const int64_t bk = block_k > 0 ? block_k : kDefaultBlockK;
+  const int64_t bk = block_k > 0 ? block_k : e.pairs ? kDefaultPairBlockK : kDefaultBlockK;
   return e.pairs ? (bk + 1) / 2 * 2 : bk;
 }
 
@@ -277,7 +285,7 @@ void flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   p.v_head_stride = v.stride(0), p.v_row_stride = v.stride(1), p.o_head_stride = out.stride(0), p.o_row_stride = out.stride(1);
   p.hkv = hkv, p.group = hq / hkv, p.lq = lq, p.lk = lk, p.d = d, p.offset = lk - lq;
   p.block_k = keys_per_block(e, block_k);
-  const int64_t rows = task_rows > 0 ? task_rows : kDefaultTaskRows;
+  const int64_t rows = task_rows_of(e.pairs, task_rows);
   p.block_q = queries_per_task(p.group, rows);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   p.bf16 = q.scalar_type() == at::kBFloat16;
@@ -317,7 +325,7 @@ int64_t scratch_bytes(int64_t head_dim, int64_t group, int64_t kv_heads, int64_t
                       int64_t block_k, int64_t task_rows) {
   const auto& e = pfa::pick_isa(isa);
   const int64_t per_thread = pfa::scratch_floats_per_thread(e, head_dim, group, pfa::keys_per_block(e, block_k),
-                                                            task_rows > 0 ? task_rows : pfa::kDefaultTaskRows);
+                                                            pfa::task_rows_of(e.pairs, task_rows));
   return 4 * (threads * per_thread + pfa::packed_value_words(e, kv_heads, keys, head_dim));
 }
 
