@@ -37,6 +37,8 @@
 #include <string>
 #include <vector>
 
+#include "cpu_isa.h"
+
 namespace pfa {
 
 inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -141,6 +143,7 @@ void write_output(const Problem& p, int64_t h, int64_t i0, int64_t nq, int64_t r
 namespace avx2 {
 #include "cpu_vec_avx2.h"
 #include "cpu_attention_softmax.h"
+#include "cpu_attention_tile.h"
 #include "cpu_attention_body.h"
 #include "cpu_attention_pairs.h"
 }  // namespace avx2
@@ -151,6 +154,7 @@ namespace avx2 {
 namespace avx512 {
 #include "cpu_vec_avx512.h"
 #include "cpu_attention_softmax.h"
+#include "cpu_attention_tile.h"
 #include "cpu_attention_body.h"
 #include "cpu_attention_pairs.h"
 }  // namespace avx512
@@ -163,6 +167,7 @@ namespace avx512_bf16 {
 #include "cpu_vec_avx512.h"
 #undef PFA_NATIVE_BF16
 #include "cpu_attention_softmax.h"
+#include "cpu_attention_tile.h"
 #include "cpu_attention_pairs.h"
 }  // namespace avx512_bf16
 #pragma GCC pop_options
@@ -179,15 +184,6 @@ struct IsaEntry {
   void (*exp2)(const float*, float*, int64_t);
 };
 
-bool has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-bool has_avx512() {
-  __builtin_cpu_init();
-  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-}
 bool has_avx512_bf16() {
   __builtin_cpu_init();
   return has_avx512() && __builtin_cpu_supports("avx512bf16");

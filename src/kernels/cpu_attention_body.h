@@ -3,63 +3,31 @@
 // float32 per task).
 //
 // Included once per instruction set, inside that ISA's `#pragma GCC target` region and its own
-// namespace, after struct V and cpu_attention_softmax.h. Nothing here includes a header or
+// namespace, after struct V, cpu_attention_softmax.h and cpu_attention_tile.h. Nothing here includes a header or
 // instantiates a library template, so every function compiled from this file carries exactly its
 // region's ISA and no other code can pick it up by accident.
 //
 // Layout (all float32, per thread, sized by the dispatcher):
 //   qt [D][rp]   Q^T of the task's rows         st [BK][rp]  scores S^T, then probabilities P^T
 //   ot [D][rp]   the output accumulator O^T     kf, vf [BK][D] one key block of K, V (bf16 input)
-// Both products are `gemm_rows`: C[i][r] (+)= sum_k A(i, k) * B[k][r], A broadcast from memory:
+// Both products are `gemm_rows` (product_rows of cpu_attention_tile.h):
 //   scores  S^T[j][r] = sum_d K[j][d] Q^T[d][r]   (A = K rows, k = d)
 //   output  O^T[d][r] += sum_j V[j][d] P^T[j][r]  (A = V columns, k = j)
 
-// One register tile: M rows of C, NV vectors wide. The constant loops unroll into registers.
-template <int M>
-inline void gemm_tile(float* c, int64_t ldc, const float* a, int64_t am, int64_t ak, const float* b, int64_t ldb,
-                      int64_t kdim, bool accumulate) {
-  vf acc[M][NV];
-#pragma GCC unroll 16
-  for (int i = 0; i < M; ++i)
-#pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n) acc[i][n] = accumulate ? V::load(c + i * ldc + n * W) : V::zero();
-  for (int64_t kk = 0; kk < kdim; ++kk) {
-    vf bv[NV];
-#pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n) bv[n] = V::load(b + kk * ldb + n * W);
-#pragma GCC unroll 16
-    for (int i = 0; i < M; ++i) {
-      const vf ai = V::broadcast(a + i * am + kk * ak);
-#pragma GCC unroll 4
-      for (int n = 0; n < NV; ++n) acc[i][n] = V::fmadd(ai, bv[n], acc[i][n]);
-    }
-  }
-#pragma GCC unroll 16
-  for (int i = 0; i < M; ++i)
-#pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n) V::store(c + i * ldc + n * W, acc[i][n]);
-}
+// float32 FMAs: A and B elements are floats.
+struct FmaProduct {
+  using A = float;
+  using B = float;
+  using Va = vf;
+  using Vb = vf;
+  static inline Vb load_b(const B* p) { return V::load(p); }
+  static inline Va broadcast_a(const A* p) { return V::broadcast(p); }
+  static inline vf madd(vf acc, Va a, Vb b) { return V::fmadd(a, b, acc); }
+};
 
-template <int M>
-inline void gemm_tail(int64_t rem, float* c, int64_t ldc, const float* a, int64_t am, int64_t ak, const float* b,
-                      int64_t ldb, int64_t kdim, bool accumulate) {
-  if constexpr (M > 0) {
-    if (rem == M) {
-      gemm_tile<M>(c, ldc, a, am, ak, b, ldb, kdim, accumulate);
-    } else {
-      gemm_tail<M - 1>(rem, c, ldc, a, am, ak, b, ldb, kdim, accumulate);
-    }
-  }
-}
-
-// C[0:m][0:cols] for cols a multiple of NV * W, in column strips so each strip of B stays in L1.
 inline void gemm_rows(int64_t m, int64_t cols, float* c, int64_t ldc, const float* a, int64_t am, int64_t ak,
                       const float* b, int64_t ldb, int64_t kdim, bool accumulate) {
-  for (int64_t r = 0; r < cols; r += NV * W) {
-    int64_t i = 0;
-    for (; i + MR <= m; i += MR) gemm_tile<MR>(c + i * ldc + r, ldc, a + i * am, am, ak, b + r, ldb, kdim, accumulate);
-    gemm_tail<MR - 1>(m - i, c + i * ldc + r, ldc, a + i * am, am, ak, b + r, ldb, kdim, accumulate);
-  }
+  product_rows<FmaProduct>(m, cols, c, ldc, a, am, ak, b, ldb, kdim, accumulate);
 }
 
 // bf16 rows -> float32 rows (n rows of d values, d a multiple of W).

@@ -10,59 +10,27 @@
 //           does on GPUs); the online-softmax state and O^T stay float32.
 //
 // Included once per instruction set, inside that ISA's `#pragma GCC target` region and its own
-// namespace, after struct V and cpu_attention_softmax.h; nothing here includes a header or
+// namespace, after struct V, cpu_attention_softmax.h and cpu_attention_tile.h; nothing here includes a header or
 // instantiates a library template.
 //
 // Per-thread scratch: qp [D/2][rp] words, st [BK][rp] float, pp [BK/2][rp] words, ot [D][rp],
 // m, l [rp]. Per call: vp [Hkv][ceil(Lk/2)][D] words (the size of V itself).
 
-// One register tile of C[i][r] (+)= sum_kk A(i, kk) . B[kk][r], A(i, kk) the bf16 pair at
-// a + i * am + kk * ak (in bf16 elements), B rows of packed pairs.
-template <int M>
-inline void pair_tile(float* c, int64_t ldc, const uint16_t* a, int64_t am, int64_t ak, const uint32_t* b, int64_t ldb,
-                      int64_t kdim, bool accumulate) {
-  vf acc[M][NV];
-#pragma GCC unroll 16
-  for (int i = 0; i < M; ++i)
-#pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n) acc[i][n] = accumulate ? V::load(c + i * ldc + n * W) : V::zero();
-  for (int64_t kk = 0; kk < kdim; ++kk) {
-    typename V::vi bv[NV];
-#pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n) bv[n] = V::load_pairs(b + kk * ldb + n * W);
-#pragma GCC unroll 16
-    for (int i = 0; i < M; ++i) {
-      const typename V::vi ai = V::broadcast_pair(a + i * am + kk * ak);
-#pragma GCC unroll 4
-      for (int n = 0; n < NV; ++n) acc[i][n] = V::dot_pairs(acc[i][n], ai, bv[n]);
-    }
-  }
-#pragma GCC unroll 16
-  for (int i = 0; i < M; ++i)
-#pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n) V::store(c + i * ldc + n * W, acc[i][n]);
-}
+// bf16 pair dot products: an A element is the bf16 pair at a + i * am + kk * ak (in bf16
+// elements, broadcast as one 32-bit word), a B vector W packed pairs.
+struct PairProduct {
+  using A = uint16_t;
+  using B = uint32_t;
+  using Va = typename V::vi;
+  using Vb = typename V::vi;
+  static inline Vb load_b(const B* p) { return V::load_pairs(p); }
+  static inline Va broadcast_a(const A* p) { return V::broadcast_pair(p); }
+  static inline vf madd(vf acc, Va a, Vb b) { return V::dot_pairs(acc, a, b); }
+};
 
-template <int M>
-inline void pair_tail(int64_t rem, float* c, int64_t ldc, const uint16_t* a, int64_t am, int64_t ak, const uint32_t* b,
-                      int64_t ldb, int64_t kdim, bool accumulate) {
-  if constexpr (M > 0) {
-    if (rem == M) {
-      pair_tile<M>(c, ldc, a, am, ak, b, ldb, kdim, accumulate);
-    } else {
-      pair_tail<M - 1>(rem, c, ldc, a, am, ak, b, ldb, kdim, accumulate);
-    }
-  }
-}
-
-// C[0:m][0:cols] for cols a multiple of NV * W, in column strips so each strip of B stays in L1.
 inline void pair_rows(int64_t m, int64_t cols, float* c, int64_t ldc, const uint16_t* a, int64_t am, int64_t ak,
                       const uint32_t* b, int64_t ldb, int64_t kdim, bool accumulate) {
-  for (int64_t r = 0; r < cols; r += NV * W) {
-    int64_t i = 0;
-    for (; i + MR <= m; i += MR) pair_tile<MR>(c + i * ldc + r, ldc, a + i * am, am, ak, b + r, ldb, kdim, accumulate);
-    pair_tail<MR - 1>(m - i, c + i * ldc + r, ldc, a + i * am, am, ak, b + r, ldb, kdim, accumulate);
-  }
+  product_rows<PairProduct>(m, cols, c, ldc, a, am, ak, b, ldb, kdim, accumulate);
 }
 
 // Key pairs [jp0, jp1) of KV head h into p.vp: word (jp, x) = (V[2jp][x], V[2jp+1][x]), the odd

@@ -27,6 +27,8 @@
 #include <string>
 #include <vector>
 
+#include "cpu_isa.h"
+
 namespace pfo {
 
 #pragma GCC push_options
@@ -46,16 +48,6 @@ namespace avx512 {
 #pragma GCC pop_options
 
 // -- dispatch ------------------------------------------------------------------------------
-
-bool has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-bool has_avx512() {
-  __builtin_cpu_init();
-  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-}
 
 struct OpsIsa {
   const char* name;
