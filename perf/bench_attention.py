@@ -107,9 +107,8 @@ def render(data: dict) -> str:
         fma = f"{r['fma'] / 1e9:.0f}" if r.get("fma") else "(the same path)"
         table.append([r["dtype"], shape, f"{r['ours'] / 1e9:.0f}", fma, f"{r['sdpa'] / 1e9:.0f}", f"{r['ours'] / r['sdpa']:.2f}x",
                       f"{r['ours'] / mm['float32']:.0%}", f"{r['ours'] / mm['bfloat16']:.0%}"])
-    isa = data["isa"] if isinstance(data["isa"], dict) else {"bfloat16": data["isa"], "float32": data["isa"]}
     return "\n".join([
-        f"`{data['command']}` — {data['date']}; {bu.machine_line(data['machine'])}; kernel variant **{isa['bfloat16']}** for bf16, **{isa['float32']}** for fp32 "
+        f"`{data['command']}` — {data['date']}; {bu.machine_line(data['machine'])}; kernel variant **{data['isa']['bfloat16']}** for bf16, **{data['isa']['float32']}** for fp32 "
         f"(CPU flags: {', '.join(data['flags'])}).",
         "",
         f"Same-run matmul rate ([{MATMUL[0]},{MATMUL[1]}]x[{MATMUL[1]},{MATMUL[2]}], mean of before/after): "

@@ -47,13 +47,8 @@ struct V {
     acc = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(a, high)), _mm256_castsi256_ps(_mm256_and_si256(b, high)), acc);
     return _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)), acc);
   }
-  // two float vectors rounded to bf16 (nearest even; finite inputs) and interleaved: lane r = (even[r], odd[r])
-  static inline vi pack_pairs(vf even, vf odd) {
-    const vi e = _mm256_castps_si256(even), o = _mm256_castps_si256(odd), one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
-    const vi er = _mm256_add_epi32(e, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(e, 16), one)));
-    const vi orr = _mm256_add_epi32(o, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(o, 16), one)));
-    return _mm256_or_si256(_mm256_srli_epi32(er, 16), _mm256_and_si256(orr, _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u))));
-  }
+  // two float vectors rounded to bf16 (bf16_bits below) and interleaved: lane r = (even[r], odd[r])
+  static inline vi pack_pairs(vf even, vf odd) { return _mm256_or_si256(bf16_bits(even), _mm256_slli_epi32(bf16_bits(odd), 16)); }
   // -- per-token ops -- (cpu_ops_body.h: rows of any length, bf16 rows rounded on store)
   static inline vf min(vf a, vf b) { return _mm256_min_ps(a, b); }
   static inline float reduce_add(vf x) {

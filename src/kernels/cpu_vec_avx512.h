@@ -49,13 +49,8 @@ struct V {
     return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), acc);
   }
 #endif
-  // two float vectors rounded to bf16 (nearest even; finite inputs) and interleaved: lane r = (even[r], odd[r])
-  static inline vi pack_pairs(vf even, vf odd) {
-    const vi e = _mm512_castps_si512(even), o = _mm512_castps_si512(odd), one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
-    const vi er = _mm512_add_epi32(e, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(e, 16), one)));
-    const vi orr = _mm512_add_epi32(o, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(o, 16), one)));
-    return _mm512_or_si512(_mm512_srli_epi32(er, 16), _mm512_and_si512(orr, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))));
-  }
+  // two float vectors rounded to bf16 (bf16_bits below) and interleaved: lane r = (even[r], odd[r])
+  static inline vi pack_pairs(vf even, vf odd) { return _mm512_or_si512(bf16_bits(even), _mm512_slli_epi32(bf16_bits(odd), 16)); }
   // -- per-token ops -- (cpu_ops_body.h: rows of any length, bf16 rows rounded on store)
   static inline vf min(vf a, vf b) { return _mm512_min_ps(a, b); }
   static inline float reduce_add(vf x) { return _mm512_reduce_add_ps(x); }
