@@ -114,11 +114,14 @@ def attention_isa(dtype: torch.dtype) -> str:
     path once its self-check passed, else the best float32-FMA path)."""
     if ATTENTION_ISA != "auto":
         return ATTENTION_ISA
+    key = ("isa", dtype)
+    chosen = _attention_state.get(key)  # every attention call asks: no lock once chosen
+    if chosen is not None:
+        return chosen
     module = load_attention()
     if module is None:
         raise RuntimeError(f"CPU flash attention unavailable: {why_attention_unavailable()}")
     with _lock:
-        key = ("isa", dtype)
         if key not in _attention_state:
             _attention_state[key] = choose_isa(module.supported_isas(), dtype, lambda isa, *t: _run_kernel(module, isa, *t))
         return _attention_state[key]
