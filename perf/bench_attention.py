@@ -90,11 +90,8 @@ def measure(args) -> dict:
                    + (f", float32-FMA path {row['fma'] / 1e9:.0f}" if fma else ""))
         mm[name].append(matmul_rate(dtype, args.seconds))
     matmul = {name: statistics.mean(v) for name, v in mm.items()}
-    return dict(machine=bu.machine_info(args.threads), isa=isa, flags=sorted(cpu_ext._cpu_flags() & ISA_FLAGS),
+    return dict(machine=bu.machine_info(args.threads), isa=isa,
                 matmul=matmul, rows=rows, command=bu.command_line(), date=bu.now_iso())
-
-
-ISA_FLAGS = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_bf16", "amx_tile"}
 
 
 def render(data: dict) -> str:
@@ -108,8 +105,7 @@ def render(data: dict) -> str:
         table.append([r["dtype"], shape, f"{r['ours'] / 1e9:.0f}", fma, f"{r['sdpa'] / 1e9:.0f}", f"{r['ours'] / r['sdpa']:.2f}x",
                       f"{r['ours'] / mm['float32']:.0%}", f"{r['ours'] / mm['bfloat16']:.0%}"])
     return "\n".join([
-        f"`{data['command']}` — {data['date']}; {bu.machine_line(data['machine'])}; kernel variant **{data['isa']['bfloat16']}** for bf16, **{data['isa']['float32']}** for fp32 "
-        f"(CPU flags: {', '.join(data['flags'])}).",
+        f"`{data['command']}` — {data['date']}; {bu.machine_line(data['machine'])}; kernel variant **{data['isa']['bfloat16']}** for bf16, **{data['isa']['float32']}** for fp32.",
         "",
         f"Same-run matmul rate ([{MATMUL[0]},{MATMUL[1]}]x[{MATMUL[1]},{MATMUL[2]}], mean of before/after): "
         f"fp32 {mm['float32'] / 1e9:.0f} GFLOP/s, bf16 {mm['bfloat16'] / 1e9:.0f} GFLOP/s. "

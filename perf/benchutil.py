@@ -59,11 +59,19 @@ def module_command(python: str, module: str, *args: str) -> list[str]:
     return [str(python), "-m", f"perf.{module}", *args]
 
 
+# The CPU flags that decide which kernels and dtype run (named beside every figure: the same code's
+# speed differs 2-3x between hosts, and its kernel ranking can flip).
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
 def machine_info(threads: int) -> dict:
     import torch
 
+    from prefillonly.hardware import cpu_flags
+
     return {
         "cpu": _lscpu_field("Model name") or platform.processor() or "unknown",
+        "isa_flags": [f for f in ISA_FLAGS if f in cpu_flags()],
         "cores": os.cpu_count(),
         "memory_gib": round(_meminfo_bytes("MemTotal") / 2**30, 1),
         "torch": torch.__version__,
@@ -73,7 +81,9 @@ def machine_info(threads: int) -> dict:
 
 
 def machine_line(m: dict) -> str:
-    return f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB RAM; torch {m['torch']}, {m['threads']} threads, Python {m['python']}"
+    flags = f" (flags: {', '.join(m['isa_flags'])})" if m.get("isa_flags") else ""  # runs before the flags were recorded: none
+    return (f"{m['cpu']}{flags}, {m['cores']} cores, {m['memory_gib']} GiB RAM; torch {m['torch']}, {m['threads']} threads, "
+            f"Python {m['python']}")
 
 
 def _lscpu_field(name: str) -> str | None:
