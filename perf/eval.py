@@ -168,8 +168,8 @@ def inner_ours_offline(args) -> dict:
     return {"system": "ours", "workload": trace.workload, "wall_s": wall_s, "load_s": load_s, "warmup_s": warmup_s,
             "requests": n, "prompt_tokens": trace.prompt_tokens, "cached_tokens": cached,
             "prefix_cache_hit_fraction": cached / trace.prompt_tokens,
-            "tokens_computed": stats1["tokens_computed"] - stats0["tokens_computed"],
-            "steps": stats1["steps"] - stats0["steps"], "max_batch_tokens": engine.max_batch_tokens,
+            "tokens_computed": stats1.tokens_computed - stats0.tokens_computed,
+            "steps": stats1.steps - stats0.steps, "max_batch_tokens": engine.max_batch_tokens,
             "peak_rss_bytes": bu.status_bytes("VmHWM"), "per_request": per_request}
 
 

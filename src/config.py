@@ -52,7 +52,7 @@ class EngineConfig:
     max_prompts_per_request: int | None = None  # most prompts (text_input values) in one server request; None = 64 or max_waiting if smaller
     max_allowed_tokens: int = 256  # most allowed output tokens in one request
     max_prompt_bytes: int | None = None  # bytes of one prompt/item text; None = max_input_len x the longest token's bytes
-    scheduling_policy: str = "csjf"  # fcfs | sjf | csjf (continuous JCT-calibrated shortest job first)
+    scheduling_policy: str = "csjf"  # fcfs | sjf | csjf (continuous JCT-calibrated SJF, dependency groups) | csjf-independent
     lambda_tokens_per_s: float = 500.0  # csjf starvation guard (the paper's): tokens of credit per second waited
     max_waiting: int = 1024  # waiting requests beyond this are refused at once ("overloaded")
     max_batch_tokens: int | None = None  # uncached tokens one forward step may pack; None = the device's default; 1 = no batching

@@ -7,25 +7,28 @@
 Request path: submit() validates + tokenizes in the caller's thread (prompts.py, request.py)
 into a ScoreRequest and puts it in the waiting set -> the worker thread asks the scheduler for
 the next step (scheduler/: FCFS | SJF | CSJF order against the prefix cache's current state,
-filled under max_batch_tokens and the activation budget) -> PrefillRunner (runner.py): prefix
-cache begin (pin cached blocks, reserve blocks to keep) -> HybridPrefillExecutor.forward_batch
-over every member's uncached tokens (executor.py) -> commit the new blocks -> ScoreResults
-(scoring.py) -> each request's Future.
+each member pinned in the cache as it is picked and checked on its real split against
+max_batch_tokens and the activation budget: a final StepPlan) -> PrefillRunner (runner.py):
+the cache's data moves, HybridPrefillExecutor.forward_batch over every member's uncached tokens
+(executor.py), commit the new blocks, ScoreResults (scoring.py) -> each request's Future,
+resolved on the completion thread (completions.py) while the worker starts the next step.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
 from .cache import PrefixCache
+from .completions import CompletionThread
 from .config import EngineConfig
 from .default_model import ensure_default_model
 from .errors import ConfigError, DeadlineExceededError, EngineClosedError, PrefillOnlyError
@@ -38,8 +41,9 @@ from .prompts import PromptEncoder
 from .request import (ScoreRequest, check_cache_prefix_len, check_deadline, check_length, check_namespace,
                       check_priority, check_top_k)
 from .result import ScoreResult
-from .runner import PrefillRunner
-from .scheduler import JctEstimator, Scheduler, WaitingRequest
+from .runner import PrefillRunner, StepOutcome
+from .scheduler import IndexPrefixView, JctEstimator, Scheduler, StepBudget, StepPlan, WaitingRequest
+from .stats import EngineCounters, EngineStats, StepRecord
 from .weights import ModelWeights
 
 log = logging.getLogger("prefillonly")
@@ -85,16 +89,18 @@ class Engine:
         executor.forward(torch.zeros(8, dtype=torch.long), config.chunk_size)  # warm-up
         self.jct = JctEstimator(fallback_s_per_token=self._time_per_token())
         self.max_batch_tokens = config.batch_token_budget
-        self.counters: Counter = Counter()  # completed, failed, rejected:<code>, cancelled
+        self.counters = EngineCounters()
         self.runner = PrefillRunner(executor, self.cache, self.activation_budget_bytes, config.chunk_size,
                                     self.max_batch_tokens, self.jct, self.encoder.token_text, self.counters)
-        self.scheduler = Scheduler(config.scheduling_policy, self.jct, self._scheduler_cached_tokens,
-                                   max_waiting=config.max_waiting, lambda_tokens_per_s=config.lambda_tokens_per_s,
-                                   block_size=config.cache_block_size if self.cache else 0)
+        self.scheduler = Scheduler(config.scheduling_policy, self.jct, IndexPrefixView(self.cache.index) if self.cache else None,
+                                   max_waiting=config.max_waiting, lambda_tokens_per_s=config.lambda_tokens_per_s)
+        self.step_budget = StepBudget(self.max_batch_tokens, self.runner.fits)
         self._steps = 0
-        self._recent_steps: deque[tuple[int, int]] = deque(maxlen=_RECENT_STEPS)  # (tokens computed, requests)
-        self._cv = threading.Condition()  # guards the scheduler and _closed
+        self._recent_steps: deque[StepRecord] = deque(maxlen=_RECENT_STEPS)
+        self._cv = threading.Condition()  # guards the scheduler, the counters, the step records and _closed
         self._closed = False
+        # answers are delivered off the worker, so a slow callback never delays the next step
+        self._completions = CompletionThread()
         # one worker runs one forward step at a time (prefill is compute-bound); daemon: it never
         # keeps the process alive, and close() fails whatever still waits
         self._worker = threading.Thread(target=self._serve, name="prefillonly-engine", daemon=True)
@@ -164,21 +170,19 @@ class Engine:
         """submit_items(...).result(): one ScoreResult per item, in item order."""
         return self.submit_items(prompt, items, allowed_tokens, **kwargs).result()
 
-    def stats(self) -> dict:
-        """Counters for metrics: requests by outcome, waiting, JCT error, prefix cache, steps; and
-        the compute dtype with why it was chosen (EngineConfig.dtype_reason)."""
+    def stats(self) -> EngineStats:
+        """A snapshot for metrics: requests by outcome, waiting, JCT error, prefix cache, recent
+        steps (with their idle gaps), memory budgets; and the compute dtype with why it was
+        chosen (EngineConfig.dtype_reason)."""
+        budget = {"weights": self.weight_bytes, "activation": self.activation_budget_bytes,
+                  **{f"cache_tier{t}": b for t, b in (self.cache.capacity_bytes() if self.cache else {}).items()}}
         with self._cv:
-            waiting = len(self.scheduler)
-            steps, recent = self._steps, list(self._recent_steps)
-        out = {"waiting": waiting, **self.counters, "jct_mean_abs_rel_error": self.jct.mean_abs_relative_error(),
-               "tokens_computed": self.executor.tokens_computed, "steps": steps, "recent_steps": recent,
-               "dtype": self.config.dtype, "dtype_reason": self.config.dtype_reason}
-        out["budget_bytes"] = {"weights": self.weight_bytes, "activation": self.activation_budget_bytes,
-                               **{f"cache_tier{t}": b for t, b in (self.cache.capacity_bytes() if self.cache else {}).items()}}
-        if self.cache is not None:
-            out["cache"] = vars(self.cache.stats).copy()
-            out["cache_bytes_in_use"] = self.cache.bytes_in_use()
-        return out
+            return EngineStats(
+                waiting=len(self.scheduler), counters=self.counters.copy(), jct_mean_abs_rel_error=self.jct.mean_abs_relative_error(),
+                tokens_computed=self.executor.tokens_computed, steps=self._steps, recent_steps=list(self._recent_steps),
+                dtype=self.config.dtype, dtype_reason=self.config.dtype_reason, budget_bytes=budget,
+                cache=copy.copy(self.cache.stats) if self.cache else None,
+                cache_bytes_in_use=self.cache.bytes_in_use() if self.cache else {})
 
     def predict_peak_bytes(self, new_tokens: int, prefix_tokens: int = 0, inplace_attention: bool = False) -> int:
         """Predicted peak extra memory of computing `new_tokens` after `prefix_tokens` cached ones."""
@@ -194,7 +198,10 @@ class Engine:
         for req in waiting:
             self._fail(req, EngineClosedError("engine closed before the request ran"))
         if not already and threading.current_thread() is not self._worker:
+            deadline = None if timeout is None else time.monotonic() + timeout
             self._worker.join(timeout)
+            # the worker stops the completion thread as it exits: wait until every answer is out
+            self._completions.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def __enter__(self) -> "Engine":
         return self
@@ -208,11 +215,10 @@ class Engine:
         deadline = check_deadline(deadline_s)
         if self.cache is not None:
             request.block_hashes = self.cache.hashes(request.token_ids, request.namespace)
-        fut = RequestFuture()
         block = self.config.cache_block_size
-        req = WaitingRequest(prompt_tokens=request.total_tokens, block_hashes=request.block_hashes, priority=priority,
-                             payload=_Pending(fut, request), kept_blocks=request.keep_len // block,
-                             runs_alone=request.runs_alone)
+        req = QueuedRequest(prompt_tokens=request.total_tokens, block_hashes=request.block_hashes, priority=priority,
+                            payload=request, kept_blocks=request.keep_len // block, runs_alone=request.runs_alone,
+                            cache_prompt_tokens=len(request.token_ids), future=RequestFuture())
         with self._cv:
             if self._closed:
                 raise EngineClosedError("engine is closed")
@@ -221,81 +227,94 @@ class Engine:
             try:
                 self.scheduler.add(req)
             except PrefillOnlyError as e:
-                self.counters[f"rejected:{e.code}"] += 1
+                self.counters.rejected[e.code] += 1
                 raise
             self._cv.notify()
-        fut.add_done_callback(lambda f: f.cancelled() and self._forget(req))
-        return fut
+        req.future.add_done_callback(lambda f: f.cancelled() and self._forget(req))
+        return req.future
 
-    def _forget(self, req: WaitingRequest) -> None:
+    def _forget(self, req: QueuedRequest) -> None:
         """A waiting request's Future was cancelled: drop it from the waiting set."""
         with self._cv:
             if self.scheduler.remove(req):
-                self.counters["cancelled"] += 1
+                self.counters.cancelled += 1
 
     def _serve(self) -> None:
-        while True:
-            with self._cv:
-                while not self._closed and not len(self.scheduler):
-                    self._cv.wait()
-                if self._closed:
-                    return
-                expired = self.scheduler.take_expired()
-                picked = self.scheduler.pick_batch(self.max_batch_tokens, self.runner.fits)
-            for r in expired:
-                self._fail(r, DeadlineExceededError("deadline passed while the request waited; it was not run"))
-            if picked:
-                self._run_step(picked)
-
-    def _run_step(self, picked: list[WaitingRequest]) -> None:
-        """One forward step over the picked requests; each gets exactly one answer."""
+        last_step_end = 0.0
         try:
-            step = self.runner.begin([w.payload.request for w in picked])
-        except BaseException as e:  # the worker must survive: every picked request gets this error
-            for w in picked:
-                if w.payload.future.set_running_or_notify_cancel():
-                    self.counters[f"failed:{getattr(e, 'code', type(e).__name__)}"] += 1
-                    w.payload.future.set_exception(e)
+            while True:
+                with self._cv:
+                    while not self._closed and not len(self.scheduler):
+                        self._cv.wait()
+                    if self._closed:
+                        return
+                    expired = self.scheduler.take_expired()
+                    plan = self.scheduler.pick_step(self.step_budget)
+                for r in expired:
+                    self._fail(r, DeadlineExceededError("deadline passed while the request waited; it was not run"),
+                               deliver=self._completions.deliver)
+                if plan:
+                    self._run_step(plan, last_step_end)
+                    last_step_end = time.monotonic()
+        finally:
+            self._completions.stop()  # after the last answer this worker hands over
+
+    def _run_step(self, plan: StepPlan[ScoreRequest], last_step_end: float) -> None:
+        """One forward step over the planned members; each gets exactly one answer."""
+        try:
+            self.runner.prepare(plan)
+        except BaseException as e:  # the worker must survive: every planned request gets this error
+            for m in plan.members:
+                self.runner.release(m)
+            self._answer_all(plan, e)
             return
-        deferred = [picked[i] for i in step.deferred]
-        if deferred:
-            with self._cv:
-                for w in deferred:
-                    self.scheduler.put_back(w)
-        members = picked[: len(step.requests)]
         now = time.monotonic()
-        for i, w in enumerate(members):
-            if w.payload.future.set_running_or_notify_cancel():
-                w.payload.future.started_at = now
+        live = []
+        for m in plan.members:
+            if m.request.future.set_running_or_notify_cancel():
+                m.request.future.started_at = now
+                live.append(m)
             else:  # cancelled between the pick and the start
-                self.runner.abort(step, i)
-        outcomes = self.runner.run(step)
-        ran = [(w, o) for w, o, live in zip(members, outcomes, step.live) if live]
-        if ran:
+                self.runner.release(m)
+        if not live:
+            return
+        # the worker's idle gap: how long this step's work waited for it after its previous step
+        ready_since = max(last_step_end, min(m.request.arrived for m in live))
+        idle_gap_s = max(0.0, now - ready_since)
+        outcome = self.runner.run(live)
+        self._record(outcome, idle_gap_s)
+        for o in outcome.members:
+            self._completions.deliver(o.member.request.future, o.result, o.error)
+
+    def _record(self, outcome: StepOutcome, idle_gap_s: float) -> None:
+        """Counters and the step record move before any answer is delivered: an answer's
+        callback may read stats() (or the metrics endpoint) the moment it runs."""
+        with self._cv:
+            self._steps += 1
+            self._recent_steps.append(StepRecord(outcome.computed_tokens, len(outcome.members), idle_gap_s))
+            for o in outcome.members:
+                if o.error is not None:
+                    self.counters.failed[_error_code(o.error)] += 1
+                else:
+                    self.counters.completed += 1
+
+    def _answer_all(self, plan: StepPlan[ScoreRequest], error: BaseException) -> None:
+        for m in plan.members:
+            if m.request.future.set_running_or_notify_cancel():
+                with self._cv:
+                    self.counters.failed[_error_code(error)] += 1
+                self._completions.deliver(m.request.future, error=error)
+
+    def _fail(self, req: QueuedRequest, error: PrefillOnlyError, deliver=None) -> None:
+        """Refuse a request that never ran (deadline passed, engine closed); `deliver`: how to
+        hand the answer over (the worker's: the completion thread), else resolved here."""
+        if req.future.set_running_or_notify_cancel():
             with self._cv:
-                self._steps += 1
-                self._recent_steps.append((step.computed_tokens, len(ran)))
-        # Counters move before the Futures resolve: their callbacks answer the caller, who may
-        # read stats() (or the metrics endpoint) the moment the answer arrives.
-        for w, outcome in ran:
-            if isinstance(outcome, BaseException):
-                self.counters[f"failed:{getattr(outcome, 'code', type(outcome).__name__)}"] += 1
+                self.counters.rejected[error.code] += 1
+            if deliver is not None:
+                deliver(req.future, error=error)
             else:
-                self.counters["completed"] += 1
-        for w, outcome in ran:
-            if isinstance(outcome, BaseException):
-                w.payload.future.set_exception(outcome)
-            else:
-                w.payload.future.set_result(outcome)
-
-    def _fail(self, req: WaitingRequest, error: PrefillOnlyError) -> None:
-        fut = req.payload.future
-        if fut.set_running_or_notify_cancel():
-            self.counters[f"rejected:{error.code}"] += 1
-            fut.set_exception(error)
-
-    def _scheduler_cached_tokens(self, req: WaitingRequest) -> int:
-        return self.cache.cached_tokens(req.block_hashes) if self.cache else 0
+                req.future.set_exception(error)
 
     def _time_per_token(self, n: int = 256) -> float:
         """Seed of the JCT estimate: one cold forward's seconds per token (the fit takes over
@@ -323,10 +342,15 @@ class RequestFuture(Future):
     started_at: float | None = None
 
 
-@dataclass
-class _Pending:
-    future: Future
-    request: ScoreRequest
+@dataclass(eq=False)
+class QueuedRequest(WaitingRequest[ScoreRequest]):
+    """A waiting request of this engine: the scheduler's view, its ScoreRequest, its Future."""
+
+    future: RequestFuture | None = None
+
+
+def _error_code(error: BaseException) -> str:
+    return getattr(error, "code", type(error).__name__)
 
 
 def _request_limits(config: EngineConfig, max_input_len: int, tokenizer) -> RequestLimits:

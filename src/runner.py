@@ -1,12 +1,13 @@
-"""PrefillRunner: one device's compute. It turns a step of ScoreRequests into results.
+"""PrefillRunner: one device's compute. It turns a step the scheduler planned into results.
 
-It owns the executor, the prefix cache, the memory meter and the activation budget, and feeds
-the JCT estimator with each step's measured time. The Engine (loading, public API, waiting set,
-worker loop) asks the scheduler for a step and hands it here:
+It owns the executor, the prefix cache's tensors, the memory meter and the activation budget, and
+feeds the JCT estimator with each step's measured time. The scheduler has already decided the
+step (scheduler/plan.py: every member pinned in the cache and checked against the budgets on its
+real split); the Engine (loading, public API, waiting set, worker loop) hands it here:
 
-    step = runner.begin(requests)       # pin cached prefixes, reserve blocks to keep (or defer)
-    runner.abort(step, i)               # a member cancelled before it started
-    outcomes = runner.run(step)         # one ForwardBatch; commit the kept blocks; ScoreResults
+    runner.prepare(plan)                # the cache's data moves (tier restores, offloads)
+    runner.release(member)              # a member cancelled before it started
+    outcome = runner.run(members)       # one ForwardBatch; commit the kept blocks; StepOutcome
 
 A step of several requests is one ForwardBatch (their uncached tokens packed row after row);
 a multi-item request is a step of its own: its shared prompt (K/V captured), then its items
@@ -16,13 +17,13 @@ batched over that K/V.
 from __future__ import annotations
 
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from .cache import PrefixCache
 from .cache.prefix_cache import CacheTicket
+from .stats import EngineCounters
 from .prefix_io import PrefixKV
 from .errors import OverBudgetError
 from .executor import ForwardBatch, HybridPrefillExecutor, Sequence
@@ -30,22 +31,28 @@ from .kernels.attention import inplace_attention_supported
 from .memory import PeakMemoryMeter, predict_batch_peak_bytes
 from .request import ScoreRequest
 from .result import ScoreResult
-from .scheduler import JctEstimator
+from .scheduler import JctEstimator, StepMember, StepPlan, TokenSplit
 from .scoring import build_result
 
 
 @dataclass
-class Step:
-    requests: list[ScoreRequest]  # the members that run, in step order
-    tickets: list[CacheTicket | None]
-    deferred: list[int] = field(default_factory=list)  # indexes (into begin's list) that must wait for a later step
-    live: list[bool] = field(default_factory=list)
-    computed_tokens: int = 0  # prompt tokens the step's forwards computed (set by run)
+class MemberOutcome:
+    """One member's answer: its result (a multi-item request: one per item) or its error."""
+
+    member: StepMember[ScoreRequest]
+    result: ScoreResult | list[ScoreResult] | None = None
+    error: BaseException | None = None
+
+
+@dataclass
+class StepOutcome:
+    members: list[MemberOutcome]  # one per member run, in step order
+    computed_tokens: int = 0  # prompt tokens the step's forwards computed (0 if it failed)
 
 
 class PrefillRunner:
     def __init__(self, executor: HybridPrefillExecutor, cache: PrefixCache | None, activation_budget_bytes: int,
-                 chunk_size: int | None, max_batch_tokens: int, jct: JctEstimator, token_text, counters: Counter):
+                 chunk_size: int | None, max_batch_tokens: int, jct: JctEstimator, token_text, counters: EngineCounters):
         self.executor = executor
         self.spec, self.dtype, self.device = executor.spec, executor.dtype, executor.device
         self.cache = cache
@@ -63,9 +70,9 @@ class PrefillRunner:
         return predict_batch_peak_bytes(self.spec, members, self.chunk_size, self.dtype, captured, inplace_attention,
                                         self.executor.attention_backend, self.device)
 
-    def fits(self, members: list[tuple[int, int]]) -> bool:
-        """Whether a step of `members` = [(uncached, cached)] fits the activation budget with
-        attention out of place (the scheduler's batch check)."""
+    def fits(self, members: list[TokenSplit]) -> bool:
+        """Whether a step of `members` fits the activation budget with attention out of place
+        (the scheduler's memory check: StepBudget.fits)."""
         return self.predict_peak_bytes(members) <= self.activation_budget_bytes
 
     def needs_inplace_attention(self, new_tokens: int, prefix_tokens: int, captured: int = 0) -> bool:
@@ -79,7 +86,7 @@ class PrefillRunner:
         if need(False) <= self.activation_budget_bytes:
             return False
         if inplace_attention_supported(self.device) and need(True) <= self.activation_budget_bytes:
-            self.counters["inplace_attention"] += 1
+            self.counters.inplace_attention += 1
             return True
         raise OverBudgetError(
             f"a {new_tokens + prefix_tokens}-token prompt needs ~{need(inplace_attention_supported(self.device)) / 2**20:.1f} MiB "
@@ -88,75 +95,51 @@ class PrefillRunner:
         )
 
     # -- a step ------------------------------------------------------------------------------
-    def begin(self, requests: list[ScoreRequest]) -> Step:
-        """Pin every member's cached prefix and reserve its blocks to keep. A member whose
-        prefix turned out shorter than the scheduler saw (its tier-2 blocks found no room) may
-        push the step over a budget: it and the rest are deferred (tickets released)."""
-        if self.cache is None:
-            tickets = [None] * len(requests)
-        else:
-            tickets = self.cache.begin_many([(r.block_hashes, len(r.token_ids), r.keep_len) for r in requests])
-        step = Step(requests=list(requests), tickets=list(tickets), live=[True] * len(requests))
-        if len(requests) > 1:
-            members = _members(requests, tickets)
-            tokens = 0
-            for i, (uncached, _) in enumerate(members):
-                tokens += uncached
-                if i and (tokens > self.max_batch_tokens or not self.fits(members[: i + 1])):
-                    step.deferred = list(range(i, len(requests)))
-                    break
-            for i in reversed(step.deferred):
-                self.abort(step, i)
-            keep = len(requests) - len(step.deferred)
-            step.requests, step.tickets, step.live = step.requests[:keep], step.tickets[:keep], step.live[:keep]
-        return step
+    def prepare(self, plan: StepPlan) -> None:
+        """Execute the cache's data moves the plan's pins made (restores and offloads between
+        tiers), in order, before any member's forward writes a block."""
+        if self.cache is not None:
+            self.cache.execute(plan.moves)
 
-    def abort(self, step: Step, i: int) -> None:
-        """Release member i's ticket: it will not run in this step."""
-        if step.live[i] and step.tickets[i] is not None:
-            self.cache.abort(step.tickets[i])
-        step.live[i] = False
+    def release(self, member: StepMember) -> None:
+        """A member that will not run after all (cancelled before it started): release its ticket."""
+        if member.ticket is not None:
+            self.cache.abort(member.ticket)
 
-    def run(self, step: Step) -> list[ScoreResult | list[ScoreResult] | BaseException]:
-        """Compute the live members; one outcome per member (a result, or the exception that
-        member's request fails with; a dead member's outcome is None). Every ticket is
-        committed on success and released on failure."""
-        live = [i for i, ok in enumerate(step.live) if ok]
-        outcomes: list = [None] * len(step.requests)
-        if not live:
-            return outcomes
+    def run(self, members: list[StepMember[ScoreRequest]]) -> StepOutcome:
+        """Compute the members; one outcome per member (its result, or the exception its
+        request fails with). Every ticket is committed on success and released on failure."""
+        if not members:
+            return StepOutcome([])
+        tickets = [self.cache.attach(m.ticket) if m.ticket is not None else None for m in members]
         try:
-            if len(live) == 1 and step.requests[live[0]].runs_alone:
-                i = live[0]
-                results = [self._run_items(step.requests[i], step.tickets[i])]
-                step.computed_tokens = step.requests[i].total_tokens - _cached(step.tickets[i])
+            if len(members) == 1 and members[0].request.payload.runs_alone:
+                results = [self._run_items(members[0].request.payload, tickets[0])]
             else:
-                results = self._run_batch([step.requests[i] for i in live], [step.tickets[i] for i in live])
-                step.computed_tokens = sum(u for u, _ in _members([step.requests[i] for i in live], [step.tickets[i] for i in live]))
+                results = self._run_batch(members, tickets)
         except BaseException as e:  # every member gets exactly one answer
-            for i in live:
-                if step.tickets[i] is not None:
-                    self.cache.abort(step.tickets[i])
-                outcomes[i] = e
-            return outcomes
-        for i, result in zip(live, results):
-            if step.tickets[i] is not None:
-                self.cache.commit(step.tickets[i])
-            outcomes[i] = result
-        return outcomes
+            for m in members:
+                self.release(m)
+            return StepOutcome([MemberOutcome(m, error=e) for m in members])
+        for m in members:
+            if m.ticket is not None:
+                self.cache.commit(m.ticket)
+        return StepOutcome([MemberOutcome(m, result=r) for m, r in zip(members, results)],
+                           computed_tokens=sum(m.split.uncached for m in members))
 
-    def _run_batch(self, requests: list[ScoreRequest], tickets: list[CacheTicket | None]) -> list[ScoreResult]:
-        members = _members(requests, tickets)
+    def _run_batch(self, members: list[StepMember[ScoreRequest]], tickets: list[CacheTicket | None]) -> list[ScoreResult]:
+        shape = [m.split for m in members]
+        requests = [m.request.payload for m in members]
         # a step of several passed fits() (out of place); a single request may need attention in place
-        inplace = self.needs_inplace_attention(*members[0]) if len(requests) == 1 else False
+        inplace = self.needs_inplace_attention(*shape[0]) if len(members) == 1 else False
         batch = ForwardBatch([_uncached_sequence(r.token_ids, t) for r, t in zip(requests, tickets)])
         t0 = time.perf_counter()
         self.meter.start()
         out = self.executor.forward_batch(batch, self.chunk_size, inplace)
         peak = self.meter.peak_growth()
-        self.jct.observe_step(members, time.perf_counter() - t0)
-        return [build_result(out.logits[i], r.allowed_ids, r.top_k, self.token_text, len(r.token_ids), c, peak)
-                for i, (r, (_, c)) in enumerate(zip(requests, members))]
+        self.jct.observe_step(shape, time.perf_counter() - t0)
+        return [build_result(out.logits[i], r.allowed_ids, r.top_k, self.token_text, len(r.token_ids), split.cached, peak)
+                for i, (r, split) in enumerate(zip(requests, shape))]
 
     def _run_items(self, request: ScoreRequest, ticket: CacheTicket | None) -> list[ScoreResult]:
         """The shared prompt once (its K/V captured for this request only, whatever the cache
@@ -177,7 +160,7 @@ class PrefillRunner:
                 self.chunk_size, inplace_items)
             peak = self.meter.peak_growth()
             # items never go through the prefix cache, so its miss count leaves them out: counted here
-            self.counters["item_tokens_computed"] += sum(len(items[j]) for j in group)
+            self.counters.item_tokens_computed += sum(len(items[j]) for j in group)
             results += [build_result(out.logits[g], request.allowed_ids, request.top_k, self.token_text,
                                      len(shared) + len(items[j]), p, peak) for g, j in enumerate(group)]
         return results
@@ -201,11 +184,6 @@ class PrefillRunner:
                 group, tokens = [j], len(ids)
         groups.append(group)
         return groups
-
-
-def _members(requests: list[ScoreRequest], tickets: list[CacheTicket | None]) -> list[tuple[int, int]]:
-    """(uncached, cached) tokens of each request's prompt, as its ticket found the cache."""
-    return [(len(r.token_ids) - _cached(t), _cached(t)) for r, t in zip(requests, tickets)]
 
 
 def _cached(ticket: CacheTicket | None) -> int:

@@ -57,7 +57,7 @@ def test_engine_config_is_the_one_home_of_the_defaults():
     from prefillonly.scheduler import JctEstimator, Scheduler
 
     config = EngineConfig()
-    scheduler = Scheduler("csjf", JctEstimator(), lambda r: 0)
+    scheduler = Scheduler("csjf", JctEstimator())
     assert (scheduler.max_waiting, scheduler.lambda_tokens_per_s) == (config.max_waiting, config.lambda_tokens_per_s)
     assert sim.SimConfig().lambda_tokens_per_s == config.lambda_tokens_per_s and sim.DEFAULT_BLOCK == config.cache_block_size
     parser = argparse.ArgumentParser()

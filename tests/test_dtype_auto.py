@@ -87,12 +87,12 @@ def test_engine_with_auto_equals_the_explicit_dtype_it_resolved_to(default_model
             got = auto.score(prompt, allowed, top_k=3)
             stats = auto.stats()
     assert auto.dtype == EngineConfig(dtype=want).torch_dtype
-    assert (stats["dtype"], stats["dtype_reason"]) == (want, reason)
+    assert (stats.dtype, stats.dtype_reason) == (want, reason)
     assert engine_info_labels(stats) == {"dtype": want, "dtype_reason": reason}
     assert f"dtype {want} ({reason})" in [r.getMessage() for r in caplog.records if r.name == "prefillonly"]
     with Engine(EngineConfig(dtype=want, threads=2, cache_budget_bytes=0)) as explicit:
         ref = explicit.score(prompt, allowed, top_k=3)
-        assert explicit.stats()["dtype_reason"] == "explicit"
+        assert explicit.stats().dtype_reason == "explicit"
     assert [(t.id, t.logprob, t.prob) for t in got.tokens] == [(t.id, t.logprob, t.prob) for t in ref.tokens]  # exactly
     assert [(t.id, t.logprob) for t in got.top_k] == [(t.id, t.logprob) for t in ref.top_k]
     assert got.chosen == ref.chosen

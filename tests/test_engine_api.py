@@ -139,10 +139,10 @@ def test_prompt_over_budget_runs_with_inplace_attention(tmp_path):
         inplace = ref.predict_peak_bytes(n, inplace_attention=True)
         assert kernel_peak < inplace < normal
         want = ref.score(prompt, [5, 17])
-        assert ref.stats().get("inplace_attention", 0) == 0
+        assert ref.stats().counters.inplace_attention == 0
     with Engine(EngineConfig(**common, activation_budget_bytes=(normal + inplace) // 2)) as e:
         got = e.score(prompt, [5, 17])
-        assert e.stats()["inplace_attention"] == 1
+        assert e.stats().counters.inplace_attention == 1
         assert max(abs(a.logprob - b.logprob) for a, b in zip(got.tokens, want.tokens)) <= 1e-4
     with Engine(EngineConfig(**common, activation_budget_bytes=inplace // 2)) as e:
         with pytest.raises(OverBudgetError):

@@ -1,4 +1,4 @@
-"""What prefillonly_prompt_tokens_total{source="computed"} counts (serving/metrics.py), on a real
+"""What prefillonly_prompt_tokens_total{source="computed"} counts (EngineStats.computed_prompt_tokens), on a real
 engine's stats: every token the layers ran, multi-item items included. (The metric's export
 through Triton is tested against a real tritonserver in test_triton_server.py.)"""
 
@@ -9,16 +9,22 @@ import random
 import pytest
 
 from prefillonly import Engine, EngineConfig
-from prefillonly.serving.metrics import computed_prompt_tokens
+from prefillonly.cache.index import CacheStats
+from prefillonly.stats import EngineCounters, EngineStats
 
 B = 8
 
 
+def _stats(tokens_computed, cache=None, item_tokens=0):
+    return EngineStats(waiting=0, counters=EngineCounters(item_tokens_computed=item_tokens), jct_mean_abs_rel_error=None,
+                       tokens_computed=tokens_computed, steps=0, recent_steps=[], dtype="float32", dtype_reason="explicit",
+                       budget_bytes={}, cache=cache)
+
+
 def test_computed_tokens_count_the_cache_misses_and_every_item():
-    with_cache = {"tokens_computed": 999, "cache": {"miss_tokens": 120, "hit_tokens": 64}, "item_tokens_computed": 30}
-    assert computed_prompt_tokens(with_cache) == 150
-    assert computed_prompt_tokens({"tokens_computed": 999, "cache": {"miss_tokens": 120}}) == 120  # no multi-item yet
-    assert computed_prompt_tokens({"tokens_computed": 77, "item_tokens_computed": 30}) == 77  # no cache: the executor's count
+    assert _stats(999, CacheStats(miss_tokens=120, hit_tokens=64), item_tokens=30).computed_prompt_tokens == 150
+    assert _stats(999, CacheStats(miss_tokens=120)).computed_prompt_tokens == 120  # no multi-item yet
+    assert _stats(77, item_tokens=30).computed_prompt_tokens == 77  # no cache: the executor's count
 
 
 def rand_ids(n, seed):
@@ -38,9 +44,9 @@ def test_prompt_tokens_metric_counts_multi_item_items_as_computed(family_folders
         plain = rand_ids(2 * B, seed=2)
         engine.score(shared[: 2 * B] + plain, [5, 17])  # a plain request after it (a hit if there is a cache)
         stats = engine.stats()
-        computed = computed_prompt_tokens(stats) - computed_prompt_tokens(baseline)
-        cached = stats["cache"]["hit_tokens"] - baseline["cache"]["hit_tokens"] if "cache" in stats else 0
+        computed = stats.computed_prompt_tokens - baseline.computed_prompt_tokens
+        cached = stats.cache.hit_tokens - baseline.cache.hit_tokens if stats.cache else 0
         hit = 2 * B if cache_budget_bytes else 0
         assert cached == hit
         assert computed == len(shared) + sum(map(len, items)) + 2 * B + 2 * B - hit
-        assert computed == engine.executor.tokens_computed - baseline["tokens_computed"]  # what the layers ran
+        assert computed == engine.executor.tokens_computed - baseline.tokens_computed  # what the layers ran

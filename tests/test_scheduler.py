@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from prefillonly import DeadlineExceededError, Engine, EngineClosedError, EngineConfig, OverloadedError
-from prefillonly.scheduler import JctEstimator, Scheduler, WaitingRequest
+from prefillonly.cache.index import IndexTicket
+from prefillonly.scheduler import JctEstimator, Scheduler, StepBudget, WaitingRequest
 
 
 class FakeClock:
@@ -32,11 +33,35 @@ def fitted_estimator(per_token=1e-3, attention=1e-8, fixed=0.01):
     return est
 
 
+class UserPrefix:
+    """A PrefixView whose cached tokens per user the test sets (no blocks: no groups, no pins)."""
+
+    block_size = 0
+
+    def __init__(self, cached):
+        self.cached = cached
+
+    def cached_tokens(self, req):
+        return self.cached.get(req.user, 0)
+
+    def begin(self, req):
+        return IndexTicket(cached_tokens=min(self.cached_tokens(req), req.cache_tokens - 1), matched=[], new=[]), []
+
+    def abort(self, ticket):
+        pass
+
+
 def make(policy, cached=None, **kw):
     clock = FakeClock()
     cached = cached if cached is not None else {}
-    s = Scheduler(policy, fitted_estimator(), lambda r: cached.get(r.user, 0), clock=clock, **kw)
+    s = Scheduler(policy, fitted_estimator(), UserPrefix(cached), clock=clock, **kw)
     return s, clock, cached
+
+
+def pick(s):
+    """The next request alone (a step of one), or None."""
+    plan = s.pick_step(StepBudget(1))
+    return plan.members[0].request if plan else None
 
 
 @dataclass(eq=False)
@@ -57,15 +82,15 @@ def test_fcfs_sjf_csjf_orders():
         for name, n in [("a", 3000), ("b", 100), ("c", 1000)]:
             s.add(req(n, user=name))
             clock.t += 0.001
-        assert [s.pick().user for _ in range(3)] == want, policy
-        assert s.pick() is None
+        assert [pick(s).user for _ in range(3)] == want, policy
+        assert pick(s) is None
 
 
 def test_priority_classes_come_first():
     s, _, _ = make("csjf")
     s.add(req(100, "small"))
     s.add(req(5000, "big-urgent", priority=1))
-    assert s.pick().user == "big-urgent"
+    assert pick(s).user == "big-urgent"
 
 
 def test_csjf_sees_cache_changes_and_sjf_does_not():
@@ -74,12 +99,12 @@ def test_csjf_sees_cache_changes_and_sjf_does_not():
         s.add(req(2000, "u1"))  # 2000 uncached now
         s.add(req(1200, "u2"))
         cached["u1"] = 1900  # u1's profile lands in the cache after both arrived
-        first = s.pick().user
+        first = pick(s).user
         assert first == ("u1" if policy == "csjf" else "u2"), policy
         cached["u1"] = 0  # and evicted again before the next decision
         s2, _, cached2 = make(policy)
         s2.add(req(2000, "u1")); s2.add(req(1200, "u2"))
-        assert s2.pick().user == "u2"
+        assert pick(s2).user == "u2"
 
 
 def test_csjf_long_request_is_not_starved():
@@ -94,7 +119,7 @@ def test_csjf_long_request_is_not_starved():
     picked_at = None
     while clock.t < 3 * bound_s:
         s.add(req(100, "short"))
-        if s.pick().user == "long":
+        if pick(s).user == "long":
             picked_at = clock.t
             break
         clock.t += 0.2
@@ -110,7 +135,7 @@ def test_overload_is_refused_at_once():
 
 def test_unknown_policy():
     with pytest.raises(ValueError, match="unknown scheduling policy"):
-        Scheduler("lifo", JctEstimator(), lambda r: 0)
+        Scheduler("lifo", JctEstimator())
 
 
 # -- estimator --------------------------------------------------------------------------------
@@ -196,7 +221,7 @@ def test_cancel_waiting_request(engine):
     release, held = hold_worker(engine)
     fut = engine.submit(ids(1), [5])
     assert fut.cancel()
-    assert len(engine.scheduler) == 0 and engine.stats()["cancelled"] == 1
+    assert len(engine.scheduler) == 0 and engine.stats().counters.cancelled == 1
     release.set()
     assert held.result(10).prompt_tokens == 3
     with pytest.raises(CancelledError):
@@ -223,7 +248,7 @@ def test_overload_fails_fast(engine):
     assert time.perf_counter() - t0 < 1.0
     release.set()
     assert all(f.result(30).prompt_tokens == 40 for f in futs)
-    assert engine.stats()["rejected:overloaded"] == 1
+    assert engine.stats().counters.rejected["overloaded"] == 1
 
 
 def test_close_answers_every_pending_request(family_folders):
@@ -249,3 +274,26 @@ def test_bad_scheduling_arguments(engine, kwargs, match):
 
     with pytest.raises(InvalidRequestError, match=match):
         engine.submit(ids(0), [5], **kwargs)
+
+
+def test_answers_are_delivered_off_the_worker_and_a_slow_callback_does_not_delay_the_next_step(engine):
+    """A Future's callbacks (the Triton model's: metrics round trips, sending the response) run on
+    the completion thread: the worker starts the next step while a slow one is still running,
+    and its idle gap before that step stays small."""
+    release, held = hold_worker(engine)
+    callback = {}
+
+    def slow_callback(_future):
+        callback["thread"] = threading.current_thread()
+        callback["start"] = time.monotonic()
+        time.sleep(1.5)
+        callback["end"] = time.monotonic()
+
+    held.add_done_callback(slow_callback)
+    following = engine.submit(ids(5), [5])
+    release.set()
+    assert following.result(30).prompt_tokens == 40
+    assert callback["thread"] is not engine._worker
+    assert following.started_at < callback["end"]  # the next step did not wait for the callback
+    last = engine.stats().recent_steps[-1]
+    assert last.requests == 1 and last.idle_gap_s < 0.5, last

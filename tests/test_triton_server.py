@@ -169,6 +169,11 @@ def test_metrics_endpoint_exports_engine_metrics_that_move(server):
     assert moved("prefillonly_step_requests_count", 3) and moved("prefillonly_step_tokens_count", 3)
     assert after["prefillonly_step_requests_sum"] >= before.get("prefillonly_step_requests_sum", 0) + 3
     assert after["prefillonly_step_tokens_sum"] > before.get("prefillonly_step_tokens_sum", 0)
+    # and the worker's idle gap before each step (answers go out on another thread: small)
+    assert moved("prefillonly_step_idle_gap_seconds_count", 3)
+    gap_sum = after["prefillonly_step_idle_gap_seconds_sum"] - before.get("prefillonly_step_idle_gap_seconds_sum", 0)
+    gaps = after["prefillonly_step_idle_gap_seconds_count"] - before.get("prefillonly_step_idle_gap_seconds_count", 0)
+    assert 0 <= gap_sum / gaps < 0.5, (gap_sum, gaps)
     success = [k for k in after if k.startswith("nv_inference_request_success") and 'model="prefillonly"' in k]
     assert success and after[success[0]] >= 3  # Triton's own metrics stay right
 

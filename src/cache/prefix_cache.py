@@ -94,23 +94,23 @@ class PrefixCache:
     def begin(self, hashes: list[bytes], prompt_len: int, keep_len: int) -> CacheTicket:
         """Match and pin the cached prefix of a prompt of `prompt_len` tokens whose block keys
         are `hashes` (from hashes(), computed once at submit), reserve slots for the new blocks
-        to keep (those inside the first keep_len tokens)."""
-        return self.begin_many([(hashes, prompt_len, keep_len)])[0]
+        to keep (those inside the first keep_len tokens). The engine's scheduler does the same in
+        two halves: PrefixIndex.begin while it picks a step, then execute + attach before the forward."""
+        ticket, moves = self.index.begin(hashes, prompt_len, keep_len)
+        self.execute(moves)
+        return self.attach(ticket)
 
-    def begin_many(self, prompts: list[tuple[list[bytes], int, int]]) -> list[CacheTicket]:
-        """begin() for the prompts of one forward step, [(hashes, prompt_len, keep_len)]
-        (PrefixIndex.begin_many: the match, the pins, the keep rule and the statistics)."""
-        tickets, moves = self.index.begin_many(prompts)
-        self._execute(moves)  # the restores' and evictions' copies, in order, before any new block is written
-        return [self._with_pool(t) for t in tickets]
+    def execute(self, moves: list[Move]) -> None:
+        """Copy blocks between tiers as the index's moves say, in order (restores and offloads
+        come before any new block is written)."""
+        for m in moves:
+            self.pools[m.src_tier].copy_slot(m.src_slot, self.pools[m.dst_tier], m.dst_slot)
+        if moves and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
-    def commit(self, ticket: CacheTicket) -> None:
-        self.index.commit(ticket)
-
-    def abort(self, ticket: CacheTicket) -> None:
-        self.index.abort(ticket)
-
-    def _with_pool(self, t: IndexTicket) -> CacheTicket:
+    def attach(self, t: IndexTicket) -> CacheTicket:
+        """The index's ticket with the executor's view of its blocks: a source reading the
+        matched blocks from the pool and a sink writing the new ones into their slots."""
         ticket = CacheTicket(cached_tokens=t.cached_tokens, matched=t.matched, new=t.new)
         if t.cached_tokens:
             ticket.source = _PoolSource(self.pools[1], self._slots(t.matched), t.cached_tokens)
@@ -118,12 +118,12 @@ class PrefixCache:
             ticket.sink = _PoolSink(self.pools[1], self._slots(t.new), len(t.matched) * self.block_size)
         return ticket
 
+    def commit(self, ticket: CacheTicket) -> None:
+        self.index.commit(ticket)
+
+    def abort(self, ticket: CacheTicket) -> None:
+        self.index.abort(ticket)
+
     # -- internals -----------------------------------------------------------------------
     def _slots(self, blocks: list[Block]) -> torch.Tensor:
         return torch.tensor([blk.slot for blk in blocks], dtype=torch.long, device=self.device)
-
-    def _execute(self, moves: list[Move]) -> None:
-        for m in moves:
-            self.pools[m.src_tier].copy_slot(m.src_slot, self.pools[m.dst_tier], m.dst_slot)
-        if moves and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()

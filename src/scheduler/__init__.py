@@ -1,12 +1,16 @@
-"""Request scheduling: the waiting set, the JCT estimate and the policy that picks the next request.
+"""Request scheduling: the waiting set, the JCT estimate and the policy that plans the next step.
 
-Tensor-free: it sees requests as token counts and prefix-cache keys, and asks one question of
-the cache ("how many leading tokens of this prompt are cached now?"), so the simulator drives
-the same code with a cost model instead of a model.
+Tensor-free: it sees requests as token counts and prefix-cache keys, and asks the cache how many
+leading tokens of a prompt are cached now and to pin a step's members (prefix_view.py), so the
+simulator drives the same code with a cost model instead of a model. What it hands down is a
+typed, final StepPlan (plan.py).
 """
 
 from .jct import JctCoefficients, JctEstimator
-from .policy import DEFAULT_LAMBDA_TOKENS_PER_S, DEFAULT_MAX_WAITING, POLICIES, Scheduler, WaitingRequest
+from .plan import StepBudget, StepMember, StepPlan, TokenSplit, WaitingRequest
+from .policy import DEFAULT_LAMBDA_TOKENS_PER_S, DEFAULT_MAX_WAITING, POLICIES, Scheduler
+from .prefix_view import IndexPrefixView, NoPrefixCache, PrefixView
 
 __all__ = ["JctCoefficients", "JctEstimator", "DEFAULT_LAMBDA_TOKENS_PER_S", "DEFAULT_MAX_WAITING", "POLICIES", "Scheduler",
-           "WaitingRequest"]
+           "StepBudget", "StepMember", "StepPlan", "TokenSplit", "WaitingRequest", "IndexPrefixView", "NoPrefixCache",
+           "PrefixView"]

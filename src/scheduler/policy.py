@@ -1,20 +1,26 @@
-"""Which waiting request runs next (docs/design.md §4, "continuous JCT calibration").
+"""Which waiting requests run next (docs/design.md §4, "continuous JCT calibration").
 
-  fcfs  arrival order.
-  sjf   shortest estimated job first, the estimate frozen at arrival (plain SJF: it cannot
-        see prefixes that other requests put into the cache after it arrived).
-  csjf  before every pick, re-estimate every waiting request against the cache as it is now
-        and run the argmin of  jct(uncached, cached) - lambda * waited  (lambda converts the
-        paper's 500 tokens of credit per second waited into seconds with the fitted cost of
-        one token), so cache hits created meanwhile move requests forward and nobody starves.
+  fcfs   arrival order.
+  sjf    shortest estimated job first, the estimate frozen at arrival (plain SJF: it cannot
+         see prefixes that other requests put into the cache after it arrived).
+  csjf   before every pick, re-estimate every waiting request against the cache as it is now
+         and run the argmin of  jct(uncached, cached) - lambda * waited  (lambda converts the
+         paper's 500 tokens of credit per second waited into seconds with the fitted cost of
+         one token), so cache hits created meanwhile move requests forward and nobody starves;
+         a request whose kept blocks other waiting requests need first (a new user's profile)
+         is ranked for its whole dependency group by Smith's rule (groups.py).
+  csjf-independent   csjf with every request ranked on its own (no groups): the paper's CSJF,
+         kept to compare against.
 A request's `priority` (higher first) comes before the policy; the policy orders a class.
 
-Batching (pick_batch): one forward step computes several requests packed together. The step
-is filled in the policy's order, within one priority class, while the members' uncached tokens
-fit the token budget and the runner's `fits` callback (the predicted peak of the step's
-workspace plan against the activation budget) accepts them; the first request always runs,
-alone if it is over either budget. Two requests that would compute the same not-yet-cached
-blocks never share a step: the second waits one step and then finds them cached.
+A step (pick_step): one forward computes several requests packed together. The step is filled in
+the policy's order, within one priority class; each candidate is pinned in the prefix cache as it
+is picked (PrefixView.begin), so its real split is what the step's budgets (StepBudget: uncached
+tokens, and the predicted peak of the step's workspace plan against the activation budget) are
+checked against, and a candidate that does not fit is released at once. The first request
+always runs, alone if it is over either budget. Two requests that would compute the same
+not-yet-cached blocks never share a step: the second waits one step and then finds them cached.
+The plan that comes out is final (plan.py).
 """
 
 from __future__ import annotations
@@ -22,47 +28,36 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from ..config import EngineConfig
 from ..errors import OverloadedError
+from .groups import group_costs
 from .jct import JctEstimator
+from .plan import StepBudget, StepMember, StepPlan, TokenSplit, WaitingRequest
+from .prefix_view import NoPrefixCache, PrefixView
 
-POLICIES = ("fcfs", "sjf", "csjf")
+POLICIES = ("fcfs", "sjf", "csjf", "csjf-independent")
 # the engine's defaults, for callers that build a Scheduler without an EngineConfig
 DEFAULT_LAMBDA_TOKENS_PER_S = EngineConfig.default_of("lambda_tokens_per_s")
 DEFAULT_MAX_WAITING = EngineConfig.default_of("max_waiting")
 
 
-@dataclass(eq=False)
-class WaitingRequest:
-    prompt_tokens: int
-    block_hashes: list = field(default_factory=list)  # the prompt's prefix-cache keys, hashed once
-    priority: int = 0
-    deadline: float | None = None  # clock() time after which it must not start
-    payload: object = None  # what the engine runs; opaque here
-    kept_blocks: int = 0  # leading blocks of block_hashes the request will keep in the cache
-    runs_alone: bool = False  # never batched with other requests (e.g. multi-item)
-    arrived: float = 0.0
-    seq: int = 0
-    frozen_estimate_s: float = 0.0  # SJF's estimate, taken at arrival
-
-
 class Scheduler:
-    """The waiting set and the pick. Not thread-safe: the engine calls it under its lock."""
+    """The waiting set and the pick. Not thread-safe: the engine calls it under its lock, from
+    its worker (the only thread that changes the prefix cache)."""
 
-    def __init__(self, policy: str, estimator: JctEstimator, cached_tokens: Callable[[WaitingRequest], int],
+    def __init__(self, policy: str, estimator: JctEstimator, prefix: PrefixView | None = None,
                  max_waiting: int = DEFAULT_MAX_WAITING, lambda_tokens_per_s: float = DEFAULT_LAMBDA_TOKENS_PER_S,
-                 clock: Callable[[], float] = time.monotonic, block_size: int = 0):
+                 clock: Callable[[], float] = time.monotonic):
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {', '.join(POLICIES)}")
         self.policy = policy
         self.estimator = estimator
-        self.cached_tokens = cached_tokens  # request -> leading tokens cached right now
+        self.prefix = prefix or NoPrefixCache()
+        self.block_size = self.prefix.block_size  # 0: no cache, no block conflicts, no groups
         self.max_waiting = max_waiting
         self.lambda_tokens_per_s = lambda_tokens_per_s
         self.clock = clock
-        self.block_size = block_size  # tokens per cache block (0: no cache, no block conflicts)
         self._waiting: list[WaitingRequest] = []
         self._seq = itertools.count()
 
@@ -78,87 +73,95 @@ class Scheduler:
             req.frozen_estimate_s = self.estimate(req)
         self._waiting.append(req)
 
-    def split(self, req: WaitingRequest) -> tuple[int, int]:
-        """(uncached, cached) tokens of the request against the cache as it is now (at least
-        one token is always computed)."""
-        cached = min(self.cached_tokens(req), req.prompt_tokens - 1)
-        return req.prompt_tokens - cached, cached
+    # -- estimates ---------------------------------------------------------------------------
+    def split(self, req: WaitingRequest) -> TokenSplit:
+        """The request's tokens against the cache as it is now (at least one token is always
+        computed)."""
+        cached = min(self.prefix.cached_tokens(req), req.cache_tokens - 1)
+        return TokenSplit(req.prompt_tokens - cached, cached)
 
     def estimate(self, req: WaitingRequest) -> float:
         return self.estimator.predict(*self.split(req))
+
+    def credit_s(self, arrived: float, now: float) -> float:
+        """CSJF's starvation credit of a request that arrived at `arrived`, in seconds."""
+        return self.lambda_tokens_per_s * self.estimator.seconds_per_token * (now - arrived)
 
     def cost(self, req: WaitingRequest, now: float) -> float:
         if self.policy == "fcfs":
             return float(req.seq)
         if self.policy == "sjf":
             return req.frozen_estimate_s
-        credit_s = self.lambda_tokens_per_s * self.estimator.seconds_per_token * (now - req.arrived)
-        return self.estimate(req) - credit_s
+        return self.estimate(req) - self.credit_s(req.arrived, now)
 
-    def _order_key(self, now: float):
-        return lambda r: (-r.priority, self.cost(r, now), r.seq)
+    def order(self) -> list[WaitingRequest]:
+        """Every waiting request in the policy's order (the next step is filled from the front)."""
+        now = self.clock()
+        costs = {r: self.cost(r, now) for r in self._waiting}
+        if self.policy == "csjf" and self.block_size:
+            groups = group_costs(self._waiting, self.block_size, lambda r: self.prefix.cached_tokens(r) // self.block_size,
+                                 costs.__getitem__, lambda s: self.estimator.predict(*s), lambda t: self.credit_s(t, now))
+            for leader, group_cost in groups.items():
+                costs[leader] = min(costs[leader], group_cost)
+        return sorted(self._waiting, key=lambda r: (-r.priority, costs[r], r.seq))
 
-    def pick(self) -> WaitingRequest | None:
-        """Remove and return the request to run next (None if nothing waits)."""
+    # -- the pick ----------------------------------------------------------------------------
+    def pick_step(self, budget: StepBudget) -> StepPlan:
+        """Remove the requests of the next forward step from the waiting set and return them
+        pinned, in the policy's order (an empty plan if nothing waits); see the module
+        docstring for the rules."""
+        plan = StepPlan()
         if not self._waiting:
-            return None
-        best = min(self._waiting, key=self._order_key(self.clock()))
-        self._waiting.remove(best)
-        return best
-
-    def pick_batch(self, token_budget: int, fits: Callable[[list[tuple[int, int]]], bool] | None = None) -> list[WaitingRequest]:
-        """Remove and return the requests of the next forward step, in the policy's order
-        (empty if nothing waits). `fits([(uncached, cached), ...])` says whether such a step
-        fits the memory budget; see the module docstring for the rules."""
-        if not self._waiting:
-            return []
-        order = sorted(self._waiting, key=self._order_key(self.clock()))
+            return plan
+        order = self.order()
         first = order[0]
-        batch, shape = [first], [self.split(first)]
-        tokens = shape[0][0]
+        self._admit(first, plan)
         computing = set()  # the first block each member computes and keeps
-        if not first.runs_alone and tokens < token_budget and (fits is None or fits(shape)):
-            self._note_computed(first, computing)
+        if not first.runs_alone and budget.admits(plan.shape):
+            self._note_computed(plan.members[0], computing)
             for req in order[1:]:
-                if req.priority != first.priority or tokens >= token_budget:
+                if req.priority != first.priority or plan.tokens >= budget.tokens:
                     break
-                if req.runs_alone:
+                if req.runs_alone or self.split(req).uncached + plan.tokens > budget.tokens:
+                    continue  # the estimate is exact unless a tier-2 restore fails: skip the pin
+                if self._first_computed_block(req) in computing:
                     continue
-                member = self.split(req)
-                uncached = member[0]
-                if tokens + uncached > token_budget or self._first_computed_block(req) in computing:
+                member = self._admit(req, plan)
+                if not budget.admits(plan.shape):
+                    self._release(plan, member)
                     continue
-                if fits is not None and not fits(shape + [member]):
-                    continue
-                batch.append(req)
-                shape.append(member)
-                tokens += uncached
-                self._note_computed(req, computing)
-        for req in batch:
-            self._waiting.remove(req)
-        return batch
+                self._note_computed(member, computing)
+        for m in plan.members:
+            self._waiting.remove(m.request)
+        return plan
 
-    def _first_computed_block(self, req: WaitingRequest, kept_only: bool = False) -> bytes | None:
-        """The hash of the first uncached block of the request (None: every block is cached, or
-        with kept_only, the request keeps none of the blocks it computes). Two requests compute
-        a common block only if they share every block before it, so they compute a common block
-        exactly when their first computed blocks are equal."""
+    def _admit(self, req: WaitingRequest, plan: StepPlan) -> StepMember:
+        ticket, moves = self.prefix.begin(req)
+        plan.moves += moves  # kept even if the member is released: the index already moved the blocks
+        cached = ticket.cached_tokens if ticket is not None else 0
+        member = StepMember(req, TokenSplit(req.prompt_tokens - cached, cached), ticket)
+        plan.members.append(member)
+        return member
+
+    def _release(self, plan: StepPlan, member: StepMember) -> None:
+        plan.members.remove(member)
+        self.prefix.abort(member.ticket)
+
+    def _first_computed_block(self, req: WaitingRequest) -> bytes | None:
+        """The hash of the first uncached block of the request (None: every block is cached).
+        Two requests compute a common block only if they share every block before it, so they
+        compute a common block exactly when their first computed blocks are equal."""
         if not self.block_size:
             return None
-        i = self.cached_tokens(req) // self.block_size
-        last = min(req.kept_blocks, len(req.block_hashes)) if kept_only else len(req.block_hashes)
-        return req.block_hashes[i] if i < last else None
+        i = self.prefix.cached_tokens(req) // self.block_size
+        return req.block_hashes[i] if i < len(req.block_hashes) else None
 
-    def _note_computed(self, req: WaitingRequest, computing: set) -> None:
-        block = self._first_computed_block(req, kept_only=True)
-        if block is not None:
-            computing.add(block)
+    def _note_computed(self, member: StepMember, computing: set) -> None:
+        """Remember the first block a member computes and keeps (its ticket's first new block)."""
+        if member.ticket is not None and member.ticket.new:
+            computing.add(member.ticket.new[0].hash)
 
-    def put_back(self, req: WaitingRequest) -> None:
-        """Return a picked request that the runner could not start after all (it keeps its
-        place: arrival time and order are unchanged)."""
-        self._waiting.append(req)
-
+    # -- the rest of the waiting set's life --------------------------------------------------------
     def remove(self, req: WaitingRequest) -> bool:
         try:
             self._waiting.remove(req)

@@ -15,47 +15,38 @@ from __future__ import annotations
 import threading
 import time
 
-
-def computed_prompt_tokens(stats: dict) -> int:
-    """Prompt tokens the engine computed (the "computed" source of prefillonly_prompt_tokens_total):
-    with a prefix cache its misses (every prompt's and shared prompt's uncached tokens) plus the
-    items of multi-item requests, which never go through the cache; without one, every token the
-    executor ran."""
-    if "cache" in stats:
-        return stats["cache"]["miss_tokens"] + stats.get("item_tokens_computed", 0)
-    return stats["tokens_computed"]
+from ..stats import EngineStats
 
 
 # (name, kind, description, labels -> function of stats returning the value)
 _METRICS = [
-    ("prefillonly_waiting_requests", "GAUGE", "Requests waiting in the engine's queue", {(): lambda s: s["waiting"]}),
+    ("prefillonly_waiting_requests", "GAUGE", "Requests waiting in the engine's queue", {(): lambda s: s.waiting}),
     ("prefillonly_requests_total", "COUNTER", "Requests by outcome", {
-        (("outcome", "completed"),): lambda s: s.get("completed", 0),
-        (("outcome", "failed"),): lambda s: sum(v for k, v in s.items() if k.startswith("failed:")),
-        (("outcome", "overloaded"),): lambda s: s.get("rejected:overloaded", 0),
-        (("outcome", "deadline_exceeded"),): lambda s: s.get("rejected:deadline_exceeded", 0),
-        (("outcome", "cancelled"),): lambda s: s.get("cancelled", 0),
-        (("outcome", "engine_closed"),): lambda s: s.get("rejected:engine_closed", 0),
+        (("outcome", "completed"),): lambda s: s.counters.completed,
+        (("outcome", "failed"),): lambda s: s.failed,
+        (("outcome", "overloaded"),): lambda s: s.counters.rejected["overloaded"],
+        (("outcome", "deadline_exceeded"),): lambda s: s.counters.rejected["deadline_exceeded"],
+        (("outcome", "cancelled"),): lambda s: s.counters.cancelled,
+        (("outcome", "engine_closed"),): lambda s: s.counters.rejected["engine_closed"],
     }),
     ("prefillonly_prompt_tokens_total", "COUNTER", "Prompt tokens computed vs served from the prefix cache", {
-        (("source", "computed"),): computed_prompt_tokens,
-        (("source", "cache"),): lambda s: s.get("cache", {}).get("hit_tokens", 0),
+        (("source", "computed"),): lambda s: s.computed_prompt_tokens,
+        (("source", "cache"),): lambda s: s.cache.hit_tokens if s.cache else 0,
     }),
     ("prefillonly_cache_bytes", "GAUGE", "Prefix-cache bytes in use per tier", {
-        (("tier", "1"),): lambda s: s.get("cache_bytes_in_use", {}).get(1, 0),
-        (("tier", "2"),): lambda s: s.get("cache_bytes_in_use", {}).get(2, 0),
+        (("tier", "1"),): lambda s: s.cache_bytes_in_use.get(1, 0),
+        (("tier", "2"),): lambda s: s.cache_bytes_in_use.get(2, 0),
     }),
     ("prefillonly_cache_blocks_total", "COUNTER", "Prefix-cache block events", {
-        (("event", "evicted"),): lambda s: s.get("cache", {}).get("blocks_evicted", 0),
-        (("event", "offloaded"),): lambda s: s.get("cache", {}).get("blocks_offloaded", 0),
-        (("event", "restored"),): lambda s: s.get("cache", {}).get("blocks_restored", 0),
+        (("event", event),): (lambda s, event=event: getattr(s.cache, f"blocks_{event}") if s.cache else 0)
+        for event in ("evicted", "offloaded", "restored")
     }),
     ("prefillonly_memory_budget_bytes", "GAUGE", "Memory the engine may use: weights, activation budget, cache tiers", {
-        (("kind", kind),): (lambda s, kind=kind: s["budget_bytes"].get(kind, 0))
+        (("kind", kind),): (lambda s, kind=kind: s.budget_bytes.get(kind, 0))
         for kind in ("weights", "activation", "cache_tier1", "cache_tier2")
     }),
     ("prefillonly_jct_estimate_error", "GAUGE", "Mean absolute relative error of the JCT estimate", {
-        (): lambda s: s.get("jct_mean_abs_rel_error") or 0.0,
+        (): lambda s: s.jct_mean_abs_rel_error or 0.0,
     }),
     ("prefillonly_tokens_per_second", "GAUGE", "Prompt tokens computed per second since the last update", {}),
     ("prefillonly_warmup_seconds", "GAUGE", "Seconds the warm-up request took before the model reported ready", {}),
@@ -64,24 +55,30 @@ _METRICS = [
 _INFO = "prefillonly_engine_info"
 
 
-def engine_info_labels(stats: dict) -> dict[str, str]:
+def engine_info_labels(stats: EngineStats) -> dict[str, str]:
     """The labels of prefillonly_engine_info: the engine's compute dtype and why it was chosen."""
-    return {"dtype": str(stats.get("dtype", "")), "dtype_reason": str(stats.get("dtype_reason", ""))}
+    return {"dtype": stats.dtype, "dtype_reason": stats.dtype_reason}
 
 
 _LATENCY = "prefillonly_request_latency_seconds"
 # queue: received -> the engine starts it; total: received -> answered (requests the engine took)
 _LATENCY_PHASES = ("queue", "total")
 _LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
-# forward steps: uncached tokens computed and requests per step (how much batching happens)
+# forward steps: uncached tokens computed and requests per step (how much batching happens), and
+# the worker's idle gap before each step (time its work waited while the worker was not computing:
+# picking, bookkeeping; near zero when answers are delivered off the worker)
 _STEP_HISTOGRAMS = {
-    "prefillonly_step_tokens": ("Prompt tokens computed per forward step", [2 ** i for i in range(4, 16)]),
-    "prefillonly_step_requests": ("Requests per forward step", [1, 2, 4, 8, 16, 32, 64, 128, 256]),
+    "prefillonly_step_tokens": ("Prompt tokens computed per forward step", [2 ** i for i in range(4, 16)],
+                                lambda r: r.tokens),
+    "prefillonly_step_requests": ("Requests per forward step", [1, 2, 4, 8, 16, 32, 64, 128, 256], lambda r: r.requests),
+    "prefillonly_step_idle_gap_seconds": ("Seconds the engine's worker was not computing while the step's work waited",
+                                          [1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0],
+                                          lambda r: r.idle_gap_s),
 }
 
 
 class EngineMetrics:
-    def __init__(self, pb_utils, baseline: dict):
+    def __init__(self, pb_utils, baseline: EngineStats):
         """baseline: Engine.stats() at start; counters count from there."""
         self._lock = threading.Lock()
         self._metrics = {}  # (name, labels) -> (metric, kind, value_of)
@@ -93,16 +90,16 @@ class EngineMetrics:
         latency = self._family(pb_utils, _LATENCY, "HISTOGRAM", "Request latency: queue wait and total")
         self._latency = {p: latency.Metric(labels={"phase": p}, buckets=_LATENCY_BUCKETS) for p in _LATENCY_PHASES}
         self._steps = {}
-        for name, (description, buckets) in _STEP_HISTOGRAMS.items():
+        for name, (description, buckets, _) in _STEP_HISTOGRAMS.items():
             self._steps[name] = self._family(pb_utils, name, "HISTOGRAM", description).Metric(labels={}, buckets=buckets)
         # constant for the engine's life: one series, value 1, the choices in its labels
         info = self._family(pb_utils, _INFO, "GAUGE", "Engine choices made at start (labels; value 1): compute dtype and why")
         self._info = info.Metric(labels=engine_info_labels(baseline))
         self._info.set(1)
-        self._steps_seen = baseline.get("steps", 0)
+        self._steps_seen = baseline.steps
         self._last = {key: float(value_of(baseline)) for key, (_, kind, value_of) in self._metrics.items()
                       if kind == "COUNTER"}
-        self._rate_at = (time.monotonic(), baseline["tokens_computed"])
+        self._rate_at = (time.monotonic(), baseline.tokens_computed)
         self.update(baseline)
 
     def _family(self, pb_utils, name, kind, description):
@@ -119,7 +116,7 @@ class EngineMetrics:
             self._latency["queue"].observe(wait)
         self._latency["total"].observe(total_s)
 
-    def update(self, stats: dict) -> None:
+    def update(self, stats: EngineStats) -> None:
         with self._lock:
             for key, (metric, kind, value_of) in self._metrics.items():
                 if value_of is None:
@@ -135,19 +132,19 @@ class EngineMetrics:
                     metric.set(value)
                 self._last[key] = value
             self._observe_steps(stats)
-            now, computed = time.monotonic(), stats["tokens_computed"]
+            now, computed = time.monotonic(), stats.tokens_computed
             then, before = self._rate_at
             if now - then >= 1.0:
                 self._metrics[("prefillonly_tokens_per_second", ())][0].set((computed - before) / (now - then))
                 self._rate_at = (now, computed)
 
-    def _observe_steps(self, stats: dict) -> None:
+    def _observe_steps(self, stats: EngineStats) -> None:
         """The steps run since the last update (stats keeps the most recent ones; a burst
         longer than that between two updates loses the oldest from the histograms only)."""
-        new = stats.get("steps", 0) - self._steps_seen
+        new = stats.steps - self._steps_seen
         if new <= 0:
             return
-        for tokens, requests in stats.get("recent_steps", [])[-new:]:
-            self._steps["prefillonly_step_tokens"].observe(tokens)
-            self._steps["prefillonly_step_requests"].observe(requests)
-        self._steps_seen = stats["steps"]
+        for record in stats.recent_steps[-new:]:
+            for name, (_, _, value_of) in _STEP_HISTOGRAMS.items():
+                self._steps[name].observe(value_of(record))
+        self._steps_seen = stats.steps
