@@ -226,15 +226,32 @@ def prefix_hit_counters(system: str, metrics_url: str) -> dict:
 def prefix_hits_from_samples(system: str, samples) -> dict:
     """Prompt tokens computed and served from the prefix cache, per the system's own counters.
 
-    ours: prefillonly_prompt_tokens_total{source="computed"|"cache"} (Triton's metrics port);
+    ours: prefillonly_prompt_tokens_total{source="computed"|"cache"} (Triton's metrics port), and
+    the worker's idle gap before each step (prefillonly_step_idle_gap_seconds: sum, count, and
+    the steps within 5 ms);
     vLLM: vllm:prefix_cache_queries_total / vllm:prefix_cache_hits_total (tokens)."""
     if system == "ours":
         computed = prometheus.total(samples, "prefillonly_prompt_tokens_total", source="computed")
         cached = prometheus.total(samples, "prefillonly_prompt_tokens_total", source="cache")
-        return {"prompt_tokens": computed + cached, "cached_tokens": cached}
+        gap = "prefillonly_step_idle_gap_seconds"
+        return {"prompt_tokens": computed + cached, "cached_tokens": cached,
+                "idle_gap_s": prometheus.total(samples, f"{gap}_sum"), "steps": prometheus.total(samples, f"{gap}_count"),
+                "steps_gap_under_5ms": prometheus.total(samples, f"{gap}_bucket", le="0.005")}
     queries = prometheus.total(samples, "vllm:prefix_cache_queries_total")
     hits = prometheus.total(samples, "vllm:prefix_cache_hits_total")
     return {"prompt_tokens": queries, "cached_tokens": hits}
+
+
+def idle_gaps(before: dict, after: dict) -> dict | None:
+    """Our worker's idle gaps between two prefix_hit_counters readings: mean per step and the
+    fraction of steps within 5 ms (None for a system without the metric)."""
+    if not before or not after or "steps" not in after or "error" in before or "error" in after:
+        return None
+    steps = after["steps"] - before["steps"]
+    if steps <= 0:
+        return None
+    return {"steps": steps, "mean_idle_gap_ms": 1e3 * (after["idle_gap_s"] - before["idle_gap_s"]) / steps,
+            "steps_within_5ms": (after["steps_gap_under_5ms"] - before["steps_gap_under_5ms"]) / steps}
 
 
 def hit_fraction(before: dict, after: dict) -> float | None:
