@@ -332,10 +332,18 @@ def warm_up_server(backend, trace: wl.Trace) -> None:
     bu.log(f"  warm-up request answered in {time.perf_counter() - t0:.2f} s")
 
 
-def our_model_repository(args) -> Path:
+# our server under another scheduling policy, as a system of its own in the load runs (same run,
+# same arrivals): the default policy's gain measured against it
+OURS_WITH_POLICY = {"ours-independent": "csjf-independent", "ours-fcfs": "fcfs"}
+
+
+def our_model_repository(args, policy: str | None = None) -> Path:
     """The repository's Triton models with this run's dtype (always explicit: the shipped config
-    says "auto", which differs by host) and step budget (a copy under the git-ignored work folder)."""
+    says "auto", which differs by host), step budget and scheduling policy (a copy under the
+    git-ignored work folder)."""
     params = {"dtype": args.dtype}
+    if policy:
+        params["scheduling_policy"] = policy
     if args.max_batch_tokens:
         params["max_batch_tokens"] = str(args.max_batch_tokens)
     import shutil
@@ -353,10 +361,10 @@ def run_level(system: str, timed: wl.Trace, qps: float, args) -> dict:
     log_path = work_dir(args) / "servers" / f"{system}_qps{qps:.3f}.log"
     log_path.unlink(missing_ok=True)
     t0 = time.perf_counter()
-    if system == "ours":
+    if system == "ours" or system in OURS_WITH_POLICY:
         from prefillonly.serving.triton_server import TritonServer
 
-        server = TritonServer().start(our_model_repository(args), log_path=log_path)
+        server = TritonServer().start(our_model_repository(args, OURS_WITH_POLICY.get(system)), log_path=log_path)
         stop = server.stop
         try:
             server.wait_ready(300)
@@ -364,6 +372,7 @@ def run_level(system: str, timed: wl.Trace, qps: float, args) -> dict:
             stop()
             raise
         backend, metrics_url = harness.TritonGrpcBackend(server.grpc_url), server.metrics_url
+        system_kind = "ours"
     else:
         from perf import vllm_runner
 
@@ -374,12 +383,13 @@ def run_level(system: str, timed: wl.Trace, qps: float, args) -> dict:
         stop = server.stop
         server.wait_ready(300)
         backend, metrics_url = harness.VllmOpenAIBackend(server.base_url, vllm_runner.SERVED_MODEL_NAME), server.metrics_url
+        system_kind = "vllm"
     startup_s = time.perf_counter() - t0
     bu.log(f"  {system} server ready in {startup_s:.1f} s")
     try:
         warm_up_server(backend, timed)
         result = harness.run_open_loop(backend, timed, label=f"{system} @ {qps:.3f} req/s", qps=qps, timeout_s=args.timeout,
-                                       log=bu.log, metrics=lambda: harness.prefix_hit_counters(system, metrics_url))
+                                       log=bu.log, metrics=lambda: harness.prefix_hit_counters(system_kind, metrics_url))
     finally:
         backend.close()
         stop()
@@ -398,7 +408,7 @@ def cmd_load(args) -> dict:
     trace, path = ensure_trace("post_rec", args)
     sat, basis = saturated_qps(args)
     factors = [float(f) for f in args.factors.split(",")] if args.factors else list(QUICK_LOAD_FACTORS if args.quick else LOAD_FACTORS)
-    systems = [s for s in ("ours", "vllm") if s not in args.skip]
+    systems = [s for s in ("ours", "vllm") if s not in args.skip] + [s for s in args.also if s in OURS_WITH_POLICY]
     bu.log(f"load: {trace.summary()}; saturated {sat:.3f} req/s ({basis}); levels x{', x'.join(f'{f:g}' for f in factors)}")
     offline = bu.load_json(results_dir(args) / "offline.json")
     vllm_median = offline.get("summary", {}).get("post_rec", {}).get("systems", {}).get("vllm", {}).get("median_s")
@@ -411,7 +421,7 @@ def cmd_load(args) -> dict:
     for i, factor in enumerate(factors):
         qps = factor * sat
         timed = harness_schedule(trace, qps, args.seed)
-        order = systems if i % 2 == 0 else systems[::-1]  # alternate who goes first
+        order = systems[i % len(systems):] + systems[:i % len(systems)]  # rotate who goes first
         bu.log(f"level {i + 1}/{len(factors)}: x{factor:g} = {qps:.3f} req/s, arrivals over "
                f"{max(r.arrival_s for r in timed.requests):.1f} s (digest {arrivals_digest(timed)}), order {', '.join(order)}")
         for system in order:
@@ -679,6 +689,7 @@ def render_load(d: dict, plot_name: str | None) -> list[str]:
 def load_ratio_table(d: dict) -> list[str]:
     """Per level: both systems' mean and P99 side by side, their ratios, and our worker's idle gap."""
     by = {(lv["factor"], lv["system"]): lv["summary"] for lv in d["levels"] if "summary" in lv}
+    others = [o for o in OURS_WITH_POLICY if any(system == o for _, system in by)]
     rows = []
     for factor in d["factors"]:
         ours, vllm = by.get((factor, "ours")), by.get((factor, "vllm"))
@@ -686,16 +697,24 @@ def load_ratio_table(d: dict) -> list[str]:
             continue
         ratio = lambda key: fmt(ours[key] / vllm[key] if ours.get(key) and vllm.get(key) else None)  # noqa: E731
         gaps = ours.get("idle_gaps") or {}
-        rows.append([f"x{factor:g}", f"{fmt(ours['mean_latency_s'])} / {fmt(ours['p99_latency_s'])}",
-                     f"{fmt(vllm['mean_latency_s'])} / {fmt(vllm['p99_latency_s'])}",
-                     f"{ratio('mean_latency_s')} / {ratio('p99_latency_s')}",
-                     fmt(gaps.get("mean_idle_gap_ms"), ".1f"), fmt(gaps.get("steps_within_5ms"), ".0%")])
+        row = [f"x{factor:g}", f"{fmt(ours['mean_latency_s'])} / {fmt(ours['p99_latency_s'])}",
+               f"{fmt(vllm['mean_latency_s'])} / {fmt(vllm['p99_latency_s'])}",
+               f"{ratio('mean_latency_s')} / {ratio('p99_latency_s')}",
+               fmt(gaps.get("mean_idle_gap_ms"), ".1f"), fmt(gaps.get("steps_within_5ms"), ".0%")]
+        for other in others:
+            o = by.get((factor, other))
+            row.append(f"{fmt(o['mean_latency_s'])} / {fmt(o['p99_latency_s'])} "
+                       f"({fmt(ours['mean_latency_s'] / o['mean_latency_s'])} / {fmt(ours['p99_latency_s'] / o['p99_latency_s'])})"
+                       if o else "-")
+        rows.append(row)
     if not rows:
         return []
     return ["Ours against vLLM per level (same arrivals), and our worker's idle gap before each step "
-            "(`prefillonly_step_idle_gap_seconds`: time the step's work waited while the worker was not computing):", "",
+            "(`prefillonly_step_idle_gap_seconds`: time the step's work waited while the worker was not computing)"
+            + ("; our server under another policy, with ours / it in brackets" if others else "") + ":", "",
             bu.markdown_table(["level", "ours mean / P99 s", "vLLM mean / P99 s", "ours / vLLM (mean / P99)",
-                               "idle gap mean ms", "steps with gap <= 5 ms"], rows), ""]
+                               "idle gap mean ms", "steps with gap <= 5 ms"]
+                              + [f"{OURS_WITH_POLICY[o]} mean / P99 s (ours / it)" for o in others], rows), ""]
 
 
 def render_mil(d: dict) -> list[str]:
@@ -733,11 +752,13 @@ def plot_load(d: dict, path: Path) -> bool:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, key, title in ((axes[0], "mean_latency_s", "mean latency"), (axes[1], "p99_latency_s", "P99 latency")):
-        for system, style in (("ours", "o-"), ("vllm", "s--")):
+        labels = {"ours": "ours (Triton, gRPC)", "vllm": "vLLM-CPU (OpenAI server)",
+                  "ours-independent": "ours, csjf-independent", "ours-fcfs": "ours, fcfs"}
+        for system, style in (("ours", "o-"), ("vllm", "s--"), ("ours-independent", "^:"), ("ours-fcfs", "v:")):
             pts = sorted((lv["qps"], lv["summary"][key]) for lv in d["levels"]
                          if lv.get("system") == system and "summary" in lv and lv["summary"][key] is not None)
             if pts:
-                ax.plot(*zip(*pts), style, label={"ours": "ours (Triton, gRPC)", "vllm": "vLLM-CPU (OpenAI server)"}[system])
+                ax.plot(*zip(*pts), style, label=labels[system])
         ax.axvline(d["saturated_qps"], color="grey", lw=0.8, ls=":", label="our saturated QPS (offline)")
         if d.get("vllm_offline_saturated_qps"):
             ax.axvline(d["vllm_offline_saturated_qps"], color="tab:orange", lw=0.8, ls=":", label="vLLM's saturated QPS (offline)")
@@ -814,6 +835,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         q.add_argument("--vllm-server-env", nargs="*", default=[], metavar="KEY=VALUE",
                        help="extra environment for vLLM's server (e.g. VLLM_CPU_OMP_THREADS_BIND=nobind)")
         q.add_argument("--factors", help="load levels as multiples of --qps (default 0.25,0.5,1,2; 1 with --quick)")
+        q.add_argument("--also", nargs="*", default=[], choices=sorted(OURS_WITH_POLICY),
+                       help="also run our server under another scheduling policy at every level (same arrivals)")
         # mil
         q.add_argument("--budget-gib", type=float, default=1.0)
         q.add_argument("--probe-timeout", type=float, default=1200, help="seconds per memory probe process")
