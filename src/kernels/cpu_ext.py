@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -112,7 +111,7 @@ _FMA_PATHS = ("avx512", "avx2")  # float32-FMA paths, best first
 def attention_isa(dtype: torch.dtype) -> str:
     """The kernel variant attention on `dtype` inputs runs on in this process: the ISA forced by
     PREFILLONLY_CPU_ATTENTION_ISA, else the CPU's best (for bfloat16 a native bf16 dot-product
-    path once its self-check passed and it measured faster here, else the best float32-FMA path)."""
+    path once its self-check passed, else the best float32-FMA path)."""
     if ATTENTION_ISA != "auto":
         return ATTENTION_ISA
     key = ("isa", dtype)
@@ -128,51 +127,24 @@ def attention_isa(dtype: torch.dtype) -> str:
         return _attention_state[key]
 
 
-def choose_isa(supported: list[str], dtype: torch.dtype, run, time_of=None) -> str:
-    """For bfloat16: the first native variant in `supported` that passes its self-check and is
-    faster on this CPU than the best float32-FMA path; else that FMA path (it takes bf16 inputs
-    too). Faster is measured, not assumed: the native dot product is 1.7-1.9x the FMA path on a
-    Zen4 host but 0.7x on a Xeon with AMX (one VDPBF16PS port against two FMA ports, plus the
-    pair path's packing). `run(isa, q, k, v)` computes attention on one variant and
-    `time_of(isa)` its seconds on a representative shape (both injectable so the choice can be
-    tested with any set of flags and speeds; default: timed with `run`)."""
+def choose_isa(supported: list[str], dtype: torch.dtype, run) -> str:
+    """The first native variant in `supported` that passes its self-check for bfloat16, else the
+    best float32-FMA path. `run(isa, q, k, v)` computes attention on one variant (injectable so
+    the choice can be tested with any set of flags)."""
     fallback = next((isa for isa in _FMA_PATHS if isa in supported), None)
     if fallback is None:
         raise RuntimeError(f"CPU flash attention: no float32 path among {supported}")
     if dtype != torch.bfloat16:
         return fallback
-    time_of = time_of or (lambda isa: time_variant(isa, run))
     for native, reference in NATIVE_ATTENTION.items():
         if native in supported and reference in supported:
             problem = self_check_mismatch(native, reference, run)
-            if problem is not None:
-                log.warning("prefillonly: CPU attention's %s path disagrees with its portable reference %s (%s); "
-                            "using %s instead", native, reference, problem, fallback)
-                continue
-            native_s, fallback_s = time_of(native), time_of(fallback)
-            if native_s < fallback_s:
-                log.info("prefillonly: CPU attention uses %s (self-check against %s passed; %.2f ms vs %.2f ms on %s)",
-                         native, reference, native_s * 1e3, fallback_s * 1e3, fallback)
+            if problem is None:
+                log.info("prefillonly: CPU attention uses %s (self-check against %s passed)", native, reference)
                 return native
-            log.info("prefillonly: CPU attention's %s path passed its self-check but %s is faster on this CPU "
-                     "(%.2f ms vs %.2f ms): using %s", native, fallback, native_s * 1e3, fallback_s * 1e3, fallback)
+            log.warning("prefillonly: CPU attention's %s path disagrees with its portable reference %s (%s); "
+                        "using %s instead", native, reference, problem, fallback)
     return fallback
-
-
-def time_variant(isa: str, run, reps: int = 3) -> float:
-    """Best-of-`reps` seconds of one variant on a prefill-shaped attention (512 queries over 512
-    cached + 512 new keys, GQA 3 of 3 heads, head_dim 64; ~10 ms)."""
-    g = torch.Generator().manual_seed(7)
-    q = torch.randn(9, 512, 64, generator=g).bfloat16()
-    k = torch.randn(3, 1024, 64, generator=g).bfloat16()
-    v = torch.randn(3, 1024, 64, generator=g).bfloat16()
-    run(isa, q, k, v)  # first call: scratch allocation, page faults
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        run(isa, q, k, v)
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def self_check_mismatch(native: str, reference: str, run) -> str | None:
