@@ -33,7 +33,7 @@ from .config import EngineConfig
 from .default_model import ensure_default_model
 from .errors import ConfigError, DeadlineExceededError, EngineClosedError, PrefillOnlyError
 from .executor import HybridPrefillExecutor
-from .kernels.attention import resolve_backend
+from .kernels.attention import AttentionShape, resolve_backend
 from .limits import RequestLimits, max_token_bytes
 from .memory import available_memory_bytes
 from .model_spec import ModelSpec
@@ -68,7 +68,8 @@ class Engine:
         log.info("dtype %s (%s)", config.dtype, config.dtype_reason)  # what dtype="auto" chose here, and why
         weights = ModelWeights.load(self.model_path, self.spec, self.dtype, self.device)
         self.weight_bytes = weights.nbytes()
-        backend = resolve_backend(config.attention_backend, self.device)
+        backend = resolve_backend(config.attention_backend, self.device,
+                                  AttentionShape(self.dtype, self.spec.head_dim, self.spec.num_heads, self.spec.num_kv_heads))
         self.executor = executor = HybridPrefillExecutor(self.spec, weights, self.dtype, self.device, backend)
         tokenizer = _load_tokenizer(self.model_path)
         self.max_input_len = config.max_input_len or self.spec.context_length
