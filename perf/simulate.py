@@ -1,35 +1,44 @@
 """Scheduler simulation: the engine's Scheduler and PrefixIndex, a cost model instead of a model.
 
-    .venv/bin/python -m perf.simulate                 # full sweep (~1 min of one core)
-    .venv/bin/python -m perf.simulate --quick         # fewer loads, cpu-scale traces, prints only
+    .venv/bin/python -m perf.simulate                       # the default sweep (~30 s of one core)
+    .venv/bin/python -m perf.simulate --scenario dependency # only scenarios whose key or name contains it
+    .venv/bin/python -m perf.simulate --quick               # fewer loads, cpu-scale traces, prints only
     .venv/bin/python -m perf.simulate --pick-cost-only
 
 A discrete-event simulation of N engines behind user-affinity routing (user -> engine by a
-stable hash). Each engine serves one request at a time, exactly as the engine's worker does:
-when idle and requests wait, it calls `Scheduler.pick()` (the same class, policies fcfs / sjf /
-csjf, with `clock=` the simulated clock and `cached_tokens=` its own PrefixIndex's match), then
-  * begins the request on its PrefixIndex (PrefixIndex.begin, the same call PrefixCache.begin
-    makes): matches and pins the cached prefix blocks, cached = min(matched blocks x B, prompt - 1),
-    reserves the blocks of the keep boundary (the trace's `cache_prefix_len`) that were not
-    cached (LRU leaf-first eviction; blocks that find no room are overflow and dropped);
-  * runs for the TRUE cost model's time of (uncached, cached) tokens (optionally times seeded
-    log-normal noise);
-  * on completion commits (PrefixIndex.commit: the new blocks ready, everything unpinned) and feeds
-    the service time to the scheduler's JctEstimator (`observe(uncached, cached, seconds)`),
-    so CSJF's estimate is fitted online exactly as in the engine (seeded, as Engine._time_per_token
-    does, with a cold 256-token forward's seconds per token: the paper's uncached-tokens proxy).
-Pick time is measured separately (wall time of Scheduler.pick with 1000 / 5000 waiting requests)
+stable hash). Each engine runs batched forward steps exactly as the engine's worker does: when
+idle and requests wait, it asks its Scheduler (the engine's class, `clock=` the simulated clock,
+`prefix=IndexPrefixView` over its own PrefixIndex) for `pick_step(StepBudget(max_batch_tokens))`
+(default: the engine's device default, 8192 uncached tokens for the GPU model, 2048 for the CPU
+one; 1 = one request per step). The plan's members come back already pinned in the index (cached
+prefix matched and pinned, the keep boundary's uncached blocks reserved, LRU eviction; blocks that
+find no room are overflow); the step then
+  * runs for the TRUE cost model's step time: one fixed cost plus every member's linear and
+    attention terms (CostModel.step_seconds; optionally times seeded log-normal noise);
+  * on completion commits every member's ticket (PrefixIndex.commit) and feeds the step to the
+    scheduler's JctEstimator (`observe_step(splits, seconds)`), so the estimate is fitted online as
+    in the engine (seeded, as Engine._time_per_token does, with a cold 256-token forward's seconds
+    per token); every member completes at the end of its step.
+Policies: FCFS, SJF (estimate frozen at arrival), CSJF (`csjf-independent`: every request ranked
+on its own estimate minus its starvation credit, the paper's) and CSJF+groups (`csjf`, the engine's
+default): a cold request whose kept blocks other waiting requests would read (a new user's profile
+and that user's queued posts) is ranked by Smith's rule for the whole group, its cost averaged over
+the requests it makes warm, so it no longer waits behind every warm request.
+Pick time is measured separately (wall time of one pick_step with 1000 / 5000 waiting requests)
 and is not charged to the simulated clock, except in the scenario marked "pick time charged",
-which adds (measured µs per waiting request) x (requests waiting) before every forward.
+which adds (measured µs per waiting request) x (requests waiting) before every step.
 
-Cost models, both  t = a + b*u + k*u*(u + 2c)  (u = computed tokens, c = cached tokens):
+Cost models, both  t = a + b*u + k*u*(u + 2c)  (u = computed tokens, c = cached tokens; a step:
+a + the sum of the b and k terms of its members):
   cpu  SmolLM2-135M bf16 on the 2-core build host: a least-squares fit to perf/RESULTS.md's
        measured points (cold 512 / 2048 / 8192 tokens at 3284 / 2185 / 1187 tok/s, "Engine core";
        a warm post-rec request, ~190 new tokens over a ~1.9K cached profile, ~0.2 s, "Prefix
        cache"): a = 0.048 s, b = 2.9e-4 s/token, k = 6.7e-8 s -> 8K cold ~ 6.9 s.
   gpu  docs/design.md §7: Llama-3.1-8B model FLOPs 2*N*u + 2*L*d*u*(2c + u), N = 7.0e9, L = 32,
        d = 4096, at an MFU (default 50%) of a peak (default the H200's 989 TFLOP/s dense bf16),
-       plus an optional fixed time per request (default 0). KV bytes/token 2*L*8*128*2 = 128 KiB.
+       plus an optional fixed time per step (default 0: so a GPU step costs exactly the sum of its
+       members, batching gains no throughput in this model and only moves completions to the end
+       of the step). KV bytes/token 2*L*8*128*2 = 128 KiB.
 
 Workloads (perf/workloads.py, same seeds and lengths as the id traces): post recommendation and
 credit verification. Token ids are not generated: a request's block keys are synthetic but have
@@ -38,10 +47,13 @@ user's profile is keyed (user, i); any later block is keyed (request, i)), which
 the index sees (tests/test_simulator.py checks it against real block_hashes of a real trace).
 Arrivals: perf/workloads.with_poisson_arrivals (Poisson users, a user's requests 0.1 s apart).
 
-Load levels are multiples of the saturated throughput: N x (requests / total service time with
-perfect caching: every request but a user's first reads the whole profile from the cache).
-Writes the "## Scheduler simulation" section of perf/RESULTS.md, a plot
-(perf/results/simulate.png) and raw JSON (perf/results/simulate.json).
+Load levels are multiples of the saturated throughput: N x (requests / total one-at-a-time
+service time with perfect caching: every request but a user's first reads the whole profile
+from the cache). The default sweep runs 8 loads (0.25-4x) on the older scenarios and 0.25-2x on
+the dependency-rule one. Writes the "## Scheduler simulation" section of perf/RESULTS.md, a plot
+(perf/results/simulate.png) and raw JSON (perf/results/simulate.json); a `--scenario` run
+re-runs only the matching scenarios and merges them into the stored results (each scenario keeps
+the command and date it was run with).
 """
 
 from __future__ import annotations
@@ -64,12 +76,15 @@ import numpy as np
 from perf import benchutil as bu
 from perf import workloads as wl
 from prefillonly.cache.index import PrefixIndex
-from prefillonly.config import EngineConfig
+from prefillonly.config import DEFAULT_MAX_BATCH_TOKENS, EngineConfig
 from prefillonly.errors import OverloadedError
-from prefillonly.scheduler import DEFAULT_LAMBDA_TOKENS_PER_S, JctEstimator, Scheduler, WaitingRequest
+from prefillonly.scheduler import DEFAULT_LAMBDA_TOKENS_PER_S, IndexPrefixView, JctEstimator, Scheduler, StepBudget, WaitingRequest
 
 SECTION = "## Scheduler simulation"
-POLICIES = ("fcfs", "sjf", "csjf")
+RESULTS_FORMAT = 2  # 2: batched steps (pick_step), csjf = CSJF+groups; a --scenario run merges only into this format
+POLICIES = ("fcfs", "sjf", "csjf-independent", "csjf")
+LABELS = {"fcfs": "FCFS", "sjf": "SJF", "csjf-independent": "CSJF", "csjf": "CSJF+groups"}
+COLORS = {"fcfs": "tab:red", "sjf": "tab:orange", "csjf-independent": "tab:blue", "csjf": "tab:green"}
 DEFAULT_BLOCK = EngineConfig.default_of("cache_block_size")
 DEFAULT_LOADS = (0.25, 0.5, 0.75, 0.9, 1.0, 2.0, 3.0, 4.0)
 H200_PEAK_TFLOPS = 989.0
@@ -80,10 +95,12 @@ SMOLLM2_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 2  # K and V, 30 layers, 3 KV hea
 # -- cost models -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class CostModel:
-    """t = fixed_s + per_token_s * u + attention_s * u * (u + 2 * context_factor * c).
+    """t = fixed_s + per_token_s * u + attention_s * u * (u + 2 * context_factor * c) for one
+    request; a step of several: fixed_s once plus every member's other two terms.
 
     context_factor = 1 is the real cost of attending to the cached prefix; 0 makes cached tokens
-    free (an idealised cache hit, used by the tests)."""
+    free (an idealised cache hit, used by the tests). device: the engine device whose defaults
+    (max_batch_tokens) the simulated engine takes ("cpu" | "cuda")."""
 
     name: str
     fixed_s: float
@@ -92,10 +109,15 @@ class CostModel:
     context_factor: float = 1.0
     kv_bytes_per_token: int = 0
     source: str = ""
+    device: str = "cpu"
 
     def seconds(self, uncached: int, cached: int) -> float:
-        u = uncached
-        return self.fixed_s + self.per_token_s * u + self.attention_s * u * (u + 2.0 * self.context_factor * cached)
+        return self.step_seconds([(uncached, cached)])
+
+    def step_seconds(self, splits) -> float:
+        """One forward step computing every (uncached, cached) member at once."""
+        b, k, cf = self.per_token_s, self.attention_s, 2.0 * self.context_factor
+        return self.fixed_s + sum(b * u + k * u * (u + cf * c) for u, c in splits)
 
     def describe(self) -> str:
         return (f"{self.name}: t = {self.fixed_s:.3g} + {self.per_token_s:.3g}·u + {self.attention_s:.3g}·u·(u + 2"
@@ -106,7 +128,7 @@ def cpu_cost_model(fixed_s: float = 0.048, per_token_s: float = 2.9e-4, attentio
                    context_factor: float = 1.0) -> CostModel:
     return CostModel("cpu", fixed_s, per_token_s, attention_s, context_factor, SMOLLM2_KV_BYTES_PER_TOKEN,
                      "SmolLM2-135M bf16 on the 2-core host, least squares over perf/RESULTS.md's cold 512/2K/8K "
-                     "prefill rates and a warm post-rec request (~0.2 s)")
+                     "prefill rates and a warm post-rec request (~0.2 s)", device="cpu")
 
 
 def gpu_cost_model(mfu: float = 0.5, peak_tflops: float = H200_PEAK_TFLOPS, fixed_s: float = 0.0,
@@ -115,7 +137,12 @@ def gpu_cost_model(mfu: float = 0.5, peak_tflops: float = H200_PEAK_TFLOPS, fixe
     rate = mfu * peak_tflops * 1e12  # FLOP/s
     return CostModel("gpu", fixed_s, 2.0 * n_params / rate, 2.0 * layers * attn_dim / rate, context_factor,
                      LLAMA8B["kv_bytes_per_token"],
-                     f"Llama-3.1-8B model FLOPs (docs/design.md §7) at {mfu:.0%} MFU of {peak_tflops:g} TFLOP/s")
+                     f"Llama-3.1-8B model FLOPs (docs/design.md §7) at {mfu:.0%} MFU of {peak_tflops:g} TFLOP/s", device="cuda")
+
+
+def default_step_tokens(cost: CostModel) -> int:
+    """The engine's max_batch_tokens default on the cost model's device."""
+    return DEFAULT_MAX_BATCH_TOKENS[cost.device]
 
 
 COST_MODELS = {"cpu": cpu_cost_model, "gpu": gpu_cost_model}
@@ -289,6 +316,8 @@ class Record:
     cached: int
     uncached: int
     pick_s: float = 0.0
+    step_members: int = 1  # requests in the step it ran in (service_s is that step's time)
+    step_tokens: int = 0  # uncached tokens of that step
 
     @property
     def latency_s(self) -> float:
@@ -306,60 +335,64 @@ class _Clock:
 
 
 class SimEngine:
-    """One engine: a PrefixIndex, a JctEstimator and a Scheduler, one request at a time."""
+    """One engine: a PrefixIndex, a JctEstimator and a Scheduler, one batched step at a time."""
 
     def __init__(self, eid: int, policy: str, cost: CostModel, block_size: int, cache_blocks: int, clock: _Clock,
                  lambda_tokens_per_s: float, fallback_s_per_token: float, max_waiting: int, rng: np.random.Generator | None,
-                 noise: float, pick_s_per_waiting: float = 0.0):
+                 noise: float, pick_s_per_waiting: float = 0.0, step_tokens: int = 1):
         self.eid = eid
         self.cost = cost
         self.block_size = block_size
         self.index = PrefixIndex(cache_blocks, block_size=block_size)
         self.estimator = JctEstimator(fallback_s_per_token=fallback_s_per_token)
-        self.scheduler = Scheduler(policy, self.estimator, self._cached_tokens, max_waiting=max_waiting,
+        self.scheduler = Scheduler(policy, self.estimator, IndexPrefixView(self.index), max_waiting=max_waiting,
                                    lambda_tokens_per_s=lambda_tokens_per_s, clock=clock)
         self.clock = clock
         self.rng, self.noise = rng, noise
         self.pick_s_per_waiting = pick_s_per_waiting
-        self.running = None  # (WaitingRequest, IndexTicket, seconds, start, pick_s)
+        self.budget = StepBudget(step_tokens)  # no memory check: the cost model has no activation budget
+        self.running = None  # (StepPlan, seconds, start, pick_s)
         self.picks = 0
         self.max_waiting_seen = 0
 
-    def _cached_tokens(self, req: WaitingRequest) -> int:
-        return self.index.match_length(req.block_hashes) * self.block_size
+    def add(self, sr: SimRequest) -> None:
+        """Queue a trace request as the engine queues a ScoreRequest (raises OverloadedError)."""
+        self.scheduler.add(WaitingRequest(prompt_tokens=sr.prompt_tokens, block_hashes=sr.block_keys, payload=sr,
+                                          kept_blocks=sr.keep_len // self.block_size))
+
+    @property
+    def outstanding(self) -> int:
+        """Waiting + running requests (what the routers balance)."""
+        return len(self.scheduler) + (len(self.running[0]) if self.running else 0)
 
     def start_next(self) -> float | None:
-        """Pick and start the next request; returns its completion time (None if nothing waits)."""
+        """Plan and start the next step; returns its completion time (None if nothing waits)."""
         waiting = len(self.scheduler)
         self.max_waiting_seen = max(self.max_waiting_seen, waiting)
-        req = self.scheduler.pick()
-        if req is None:
+        plan = self.scheduler.pick_step(self.budget)  # members pinned in the index (PrefixIndex.begin)
+        if not plan:
             return None
         self.picks += 1
-        sr: SimRequest = req.payload
-        # what PrefixCache.begin does, less the tensors: match + pin, reserve the keep boundary's
-        # uncached blocks, the hit statistics (one tier: no data moves to execute)
-        ticket, _moves = self.index.begin(req.block_hashes, sr.prompt_tokens, sr.keep_len)
-        cached = ticket.cached_tokens
-        uncached = sr.prompt_tokens - cached
-        seconds = self.cost.seconds(uncached, cached)
+        # one tier, so plan.moves (tier restores / offloads) are empty; there is nothing to execute
+        seconds = self.cost.step_seconds(plan.shape)
         if self.noise:
             seconds *= float(np.exp(self.rng.normal(-0.5 * self.noise**2, self.noise)))
         pick_s = self.pick_s_per_waiting * waiting  # the pick runs on the worker before the forward
         now = self.clock()
-        self.running = (req, ticket, seconds, now, pick_s)
+        self.running = (plan, seconds, now, pick_s)
         return now + pick_s + seconds
 
-    def finish(self) -> Record:
-        """PrefixCache.commit + the engine's estimator feedback."""
-        req, ticket, seconds, start, pick_s = self.running
+    def finish(self) -> list[Record]:
+        """The step's end, as the runner does it: commit every member's ticket, feed the step's
+        time to the estimator; one Record per member."""
+        plan, seconds, start, pick_s = self.running
         self.running = None
-        self.index.commit(ticket)
-        sr: SimRequest = req.payload
-        cached = ticket.cached_tokens
-        uncached = sr.prompt_tokens - cached
-        self.estimator.observe(uncached, cached, seconds)  # the forward's time, as the engine measures it
-        return Record(sr.request_id, self.eid, sr.arrival_s, start, self.clock(), seconds, cached, uncached, pick_s)
+        for m in plan.members:
+            self.index.commit(m.ticket)
+        self.estimator.observe_step(plan.shape, seconds)  # the forward's time, as the runner measures it
+        done, n, tokens = self.clock(), len(plan), plan.tokens
+        return [Record(m.request.payload.request_id, self.eid, m.request.payload.arrival_s, start, done, seconds,
+                       m.split.cached, m.split.uncached, pick_s, n, tokens) for m in plan.members]
 
 
 @dataclass
@@ -374,6 +407,8 @@ class SimConfig:
     noise: float = 0.0  # sigma of a mean-1 log-normal factor on every service time
     seed: int = 0  # the noise stream
     pick_s_per_waiting: float = 0.0  # simulated time charged per waiting request at every pick (0 = picks are free)
+    max_batch_tokens: int | None = None  # a step's uncached-token budget; None = the engine's default on the cost
+    # model's device (DEFAULT_MAX_BATCH_TOKENS: 8192 gpu, 2048 cpu); 1 = one request per step (unbatched)
     routing: str = "user_hash"  # across engines: see Router
     hash_balance_factor: float = 1.5  # ring_hash_bounded's bound, as Envoy's hash_balance_factor / 100
 
@@ -414,6 +449,7 @@ class SimResult:
             "overflow_blocks": sum(e["overflow_blocks"] for e in self.engines),
             "max_waiting": max(e["max_waiting"] for e in self.engines),
             "picks": sum(e["picks"] for e in self.engines),
+            "mean_step_members": len(self.records) / max(1, sum(e["picks"] for e in self.engines)),
             "estimator_mare": _mean([m for m in self.estimator_mare if m is not None]),
             # requests per engine, the busiest over the mean (1 = perfectly even)
             "load_imbalance": _imbalance([r.engine for r in self.records], len(self.engines)),
@@ -432,7 +468,8 @@ def _mean(xs):
 
 
 def simulate(requests: list[SimRequest], cost: CostModel, cfg: SimConfig, block_size: int = DEFAULT_BLOCK) -> SimResult:
-    """Run `requests` (arrival_s set) to completion; returns one Record per completed request."""
+    """Run `requests` (arrival_s set) to completion; returns one Record per completed request
+    (records in completion order; a step's members in plan order)."""
     t0 = time.perf_counter()
     clock = _Clock()
     rng = np.random.default_rng(np.random.SeedSequence([cfg.seed, 4]))
@@ -441,8 +478,9 @@ def simulate(requests: list[SimRequest], cost: CostModel, cfg: SimConfig, block_
     if cache_blocks is None:  # PrefixIndex preallocates its free list: size it to what can be kept
         cache_blocks = max(1, sum(r.keep_len // block_size for r in requests))
     fallback = cfg.fallback_s_per_token or cost.seconds(256, 0) / 256
+    step_tokens = cfg.max_batch_tokens or default_step_tokens(cost)
     engines = [SimEngine(i, cfg.policy, cost, block_size, cache_blocks, clock, cfg.lambda_tokens_per_s,
-                         fallback, max_waiting, rng, cfg.noise, cfg.pick_s_per_waiting) for i in range(cfg.engines)]
+                         fallback, max_waiting, rng, cfg.noise, cfg.pick_s_per_waiting, step_tokens) for i in range(cfg.engines)]
     # arrival order; trace order breaks ties (the workloads' arrival_order does the same)
     arrivals = sorted(enumerate(requests), key=lambda ir: (ir[1].arrival_s, ir[0]))
     router = Router(cfg.routing, cfg.engines, np.random.default_rng(np.random.SeedSequence([cfg.seed, 5])), cfg.hash_balance_factor)
@@ -457,15 +495,15 @@ def simulate(requests: list[SimRequest], cost: CostModel, cfg: SimConfig, block_
         touched = set()
         while done and done[0][0] <= clock.now:  # completions first: a freed engine sees the arrivals of this instant
             _, eid = heapq.heappop(done)
-            records.append(engines[eid].finish())
+            records.extend(engines[eid].finish())
             touched.add(eid)
         while i < n and arrivals[i][1].arrival_s <= clock.now:
             r = arrivals[i][1]
             i += 1
-            eid = router.route(r.user, [len(e.scheduler) + (e.running is not None) for e in engines] if cfg.engines > 1 else [0])
+            eid = router.route(r.user, [e.outstanding for e in engines] if cfg.engines > 1 else [0])
             routes.setdefault(r.user, set()).add(eid)
             try:
-                engines[eid].scheduler.add(WaitingRequest(prompt_tokens=r.prompt_tokens, block_hashes=r.block_keys, payload=r))
+                engines[eid].add(r)
             except OverloadedError:
                 rejected.append(r.request_id)
                 continue
@@ -492,23 +530,44 @@ class Scenario:
     scale: str
     cost: str
     engines: int
-    cache_gib: float  # per engine
+    cache_gib: float | None  # per engine; None = room for every block the requests keep (every profile)
     charge_pick: bool = False  # charge the measured pick cost per waiting request to the clock
+    key: str = ""  # a short id (--scenario matches it or the name; results merge by it)
+    loads: tuple[float, ...] | None = None  # None = the sweep's loads
+    policies: tuple[str, ...] | None = None  # None = every policy of the sweep
+
+    @property
+    def id(self) -> str:
+        return self.key or self.name
+
+
+DEPENDENCY_LOADS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.5, 2.0)
 
 
 def default_scenarios(quick: bool) -> list[Scenario]:
     if quick:
-        return [Scenario("post-rec cpu-scale, cpu model, 1 engine", "post_rec", "cpu", "cpu", 1, 0.125),
-                Scenario("credit cpu-scale, cpu model, 1 engine", "credit", "cpu", "cpu", 1, 0.125)]
+        return [Scenario("post-rec cpu-scale, cpu model, 1 engine", "post_rec", "cpu", "cpu", 1, 0.125, key="quick-post-rec"),
+                Scenario("credit cpu-scale, cpu model, 1 engine", "credit", "cpu", "cpu", 1, 0.125, key="quick-credit")]
     return [
-        Scenario("post-rec paper, H200 8B model, 1 engine, 16 GiB cache", "post_rec", "paper", "gpu", 1, 16),
-        Scenario("post-rec paper, H200 8B model, 1 engine, 16 GiB cache, pick time charged", "post_rec", "paper", "gpu", 1, 16, True),
-        Scenario("post-rec paper, H200 8B model, 1 engine, 64 GiB cache", "post_rec", "paper", "gpu", 1, 64),
-        Scenario("post-rec paper, H200 8B model, 4 engines, 16 GiB cache each", "post_rec", "paper", "gpu", 4, 16),
-        Scenario("credit paper, H200 8B model, 1 engine", "credit", "paper", "gpu", 1, 16),
-        Scenario("credit paper, H200 8B model, 4 engines", "credit", "paper", "gpu", 4, 16),
-        Scenario("post-rec cpu-scale, CPU SmolLM2 model, 1 engine, 128 MiB cache", "post_rec", "cpu", "cpu", 1, 0.125),
+        Scenario("dependency rule: post-rec paper, H200 8B model, 1 engine, room for every profile", "post_rec", "paper", "gpu",
+                 1, None, key="dependency-paper", loads=DEPENDENCY_LOADS, policies=("fcfs", "csjf-independent", "csjf")),
+        Scenario("post-rec paper, H200 8B model, 1 engine, 16 GiB cache", "post_rec", "paper", "gpu", 1, 16, key="post-rec-16g"),
+        Scenario("post-rec paper, H200 8B model, 1 engine, 16 GiB cache, pick time charged", "post_rec", "paper", "gpu", 1, 16, True,
+                 key="post-rec-16g-pick"),
+        Scenario("post-rec paper, H200 8B model, 1 engine, 64 GiB cache", "post_rec", "paper", "gpu", 1, 64, key="post-rec-64g"),
+        Scenario("post-rec paper, H200 8B model, 4 engines, 16 GiB cache each", "post_rec", "paper", "gpu", 4, 16, key="post-rec-4x16g"),
+        Scenario("credit paper, H200 8B model, 1 engine", "credit", "paper", "gpu", 1, 16, key="credit-1"),
+        Scenario("credit paper, H200 8B model, 4 engines", "credit", "paper", "gpu", 4, 16, key="credit-4"),
+        Scenario("post-rec cpu-scale, CPU SmolLM2 model, 1 engine, 128 MiB cache", "post_rec", "cpu", "cpu", 1, 0.125, key="post-rec-cpu"),
     ]
+
+
+def select_scenarios(scenarios: list[Scenario], pattern: str | None) -> list[Scenario]:
+    """The scenarios whose key or name contains `pattern` (case-insensitive); all for None."""
+    if not pattern:
+        return list(scenarios)
+    p = pattern.lower()
+    return [sc for sc in scenarios if p in sc.key.lower() or p in sc.name.lower()]
 
 
 def cache_blocks_for(gib: float, cost: CostModel, block_size: int) -> int:
@@ -516,14 +575,16 @@ def cache_blocks_for(gib: float, cost: CostModel, block_size: int) -> int:
 
 
 def run_scenario(sc: Scenario, loads: list[float], policies: list[str], seed: int, block_size: int, mfu: float,
-                 noise: float, pick_s_per_waiting: dict[str, float] | None = None) -> dict:
+                 noise: float, pick_s_per_waiting: dict[str, float] | None = None, max_batch_tokens: int | None = None) -> dict:
     cost = gpu_cost_model(mfu=mfu) if sc.cost == "gpu" else cpu_cost_model()
     work = WORKLOADS[sc.workload](sc.scale, seed, block_size)
-    blocks = cache_blocks_for(sc.cache_gib, cost, block_size)
+    blocks = None if sc.cache_gib is None else cache_blocks_for(sc.cache_gib, cost, block_size)
     sat = saturated_qps(work, cost, sc.engines)
+    step_tokens = max_batch_tokens or default_step_tokens(cost)
     profile_blocks = sum(r.keep_len // block_size for r in work.requests if r.index_in_user == 0)
-    bu.log(f"{sc.name}: {work.summary()}; saturated {sat:.3g} req/s; cache {blocks:,} blocks/engine "
-           f"(profiles need {profile_blocks:,} in all)")
+    bu.log(f"{sc.name}: {work.summary()}; saturated {sat:.3g} req/s; cache "
+           f"{'room for every profile' if blocks is None else f'{blocks:,} blocks/engine'} (profiles need {profile_blocks:,} "
+           f"in all); steps of <= {step_tokens} uncached tokens")
     runs = []
     for load in loads:
         qps = load * sat
@@ -531,19 +592,19 @@ def run_scenario(sc: Scenario, loads: list[float], policies: list[str], seed: in
         for policy in policies:
             charge = (pick_s_per_waiting or {}).get(policy, 0.0) if sc.charge_pick else 0.0
             res = simulate(reqs, cost, SimConfig(policy=policy, engines=sc.engines, cache_blocks=blocks, noise=noise, seed=seed,
-                                                 pick_s_per_waiting=charge), block_size)
+                                                 pick_s_per_waiting=charge, max_batch_tokens=step_tokens), block_size)
             s = res.summary(qps)
             s.update(load=load, policy=policy)
             if load == loads[0] and policy == policies[0]:
                 s["users_per_engine"] = [len(e["users"]) for e in res.engines]
             runs.append(s)
-            bu.log(f"  load {load:g}x ({qps:.3g} req/s) {policy:4s}: mean {s['mean_latency_s']:.3g} s, P99 {s['p99_latency_s']:.3g} s, "
-                   f"hit {s['hit_rate']:.1%}, thr {s['throughput_qps']:.3g} req/s, max waiting {s['max_waiting']} "
-                   f"[{s['sim_wall_s']:.1f} s]")
+            bu.log(f"  load {load:g}x ({qps:.3g} req/s) {policy:16s}: mean {s['mean_latency_s']:.3g} s, P99 {s['p99_latency_s']:.3g} s, "
+                   f"hit {s['hit_rate']:.1%}, thr {s['throughput_qps']:.3g} req/s, max waiting {s['max_waiting']}, "
+                   f"{s['mean_step_members']:.1f} requests/step [{s['sim_wall_s']:.1f} s]")
     return {"scenario": dataclasses.asdict(sc), "cost_model": dataclasses.asdict(cost), "cost_formula": cost.describe(),
             "workload": work.summary(), "requests": len(work.requests), "prompt_tokens": work.prompt_tokens,
             "ideal_hit_rate": 1 - perfect_cache_tokens(work) / work.prompt_tokens,
-            "saturated_qps": sat, "cache_blocks_per_engine": blocks,
+            "saturated_qps": sat, "cache_blocks_per_engine": blocks, "max_batch_tokens": step_tokens,
             "pick_s_per_waiting": {p: (pick_s_per_waiting or {}).get(p, 0.0) for p in policies} if sc.charge_pick else None, "profile_blocks": profile_blocks,
             "block_size": block_size, "runs": runs}
 
@@ -556,18 +617,21 @@ def perfect_cache_tokens(work: Workload) -> int:
 
 
 # -- pick cost ----------------------------------------------------------------------------------
-def measure_pick_cost(sizes=(1000, 5000), block_size: int = DEFAULT_BLOCK, reps: int = 5) -> list[dict]:
-    """Wall time of Scheduler.pick over `size` waiting requests of paper-scale post-rec hash lists
+def measure_pick_cost(sizes=(1000, 5000), block_size: int = DEFAULT_BLOCK, reps: int = 5, policies=POLICIES) -> list[dict]:
+    """Wall time of one Scheduler.pick_step(StepBudget(1)) (the order of every waiting request,
+    then the first one pinned) over `size` waiting requests of paper-scale post-rec hash lists
     (~220 profile blocks each), with every profile cached (match walks the whole profile: the
-    worst case) and with an empty cache (match stops at the first block)."""
+    worst case) and with an empty cache (match stops at the first block; csjf forms a dependency
+    group per user). After each pick the member's ticket is aborted (its pins released, its
+    reserved blocks forgotten) and the request re-queued, so every repetition sees the same index."""
     work = post_rec_workload("paper", 0, block_size)
     cost = gpu_cost_model()
     out = []
     for cached in (True, False):
-        for policy in POLICIES:
+        for policy in policies:
             for size in sizes:
                 clock = _Clock()
-                index = PrefixIndex(sum(r.keep_len // block_size for r in work.requests if r.index_in_user == 0))
+                index = PrefixIndex(sum(r.keep_len // block_size for r in work.requests if r.index_in_user == 0), block_size=block_size)
                 if cached:
                     for r in work.requests:
                         if r.index_in_user == 0:
@@ -581,23 +645,25 @@ def measure_pick_cost(sizes=(1000, 5000), block_size: int = DEFAULT_BLOCK, reps:
                 est = JctEstimator()
                 for u, c in [(14000, 0), (200, 14000), (180, 12000), (16000, 0), (150, 16000)]:
                     est.observe(u, c, cost.seconds(u, c))
-                sched = Scheduler(policy, est, lambda q: index.match_length(q.block_hashes) * block_size,
-                                  max_waiting=size + 1, clock=clock)
+                sched = Scheduler(policy, est, IndexPrefixView(index), max_waiting=size + 1, clock=clock)
                 pool = work.requests
                 for j in range(size):
                     r = pool[j % len(pool)]
                     clock.now = j * 1e-3
-                    sched.add(WaitingRequest(prompt_tokens=r.prompt_tokens, block_hashes=r.block_keys, payload=r))
+                    sched.add(WaitingRequest(prompt_tokens=r.prompt_tokens, block_hashes=r.block_keys, payload=r,
+                                             kept_blocks=r.keep_len // block_size))
                 times = []
                 for _ in range(reps):
                     t0 = time.perf_counter()
-                    got = sched.pick()
+                    plan = sched.pick_step(StepBudget(1))
                     times.append(time.perf_counter() - t0)
-                    sched.add(got)
+                    for m in plan.members:
+                        index.abort(m.ticket)
+                        sched.add(m.request)
                 row = {"policy": policy, "waiting": size, "profiles_cached": cached, "median_ms": 1e3 * statistics.median(times),
                        "per_request_us": 1e6 * statistics.median(times) / size}
                 out.append(row)
-                bu.log(f"  pick {policy:4s} {size:5d} waiting, profiles {'cached' if cached else 'not cached'}: "
+                bu.log(f"  pick {policy:16s} {size:5d} waiting, profiles {'cached' if cached else 'not cached'}: "
                        f"{row['median_ms']:.2f} ms ({row['per_request_us']:.2f} us/request)")
     return out
 
@@ -609,18 +675,28 @@ def _f(x, digits=3):
     return f"{x:.{digits}g}"
 
 
+def _label(policy: str) -> str:
+    return LABELS.get(policy, policy.upper())
+
+
 def render(data: dict) -> str:
     lines = [f"Command: `{data['command']}`  ", f"Date: {data['date']}  ", f"Machine: {bu.machine_line(data['machine'])}", ""]
     lines += [
-        "Discrete-event simulation (`perf/simulate.py`) of the engine's own `Scheduler` (fcfs / sjf / csjf) and "
-        "`PrefixIndex` with a cost model in place of the model: one request at a time per engine, the cached prefix "
-        "pinned while it runs, the keep boundary's (profile's) uncached blocks stored afterwards with LRU eviction, "
-        "every service time fed to the engine's online `JctEstimator` (seeded as the engine seeds it, with a cold "
-        "256-token forward's seconds per token, and refitted as requests complete). λ = 500 tokens/s, block 64 tokens, no second tier; pick time is not charged to the simulated clock "
+        "Discrete-event simulation (`perf/simulate.py`) of the engine's own `Scheduler` and `PrefixIndex` with a cost "
+        "model in place of the model. Each engine runs batched forward steps as the engine's worker does: "
+        "`Scheduler.pick_step(StepBudget(max_batch_tokens))` (the engine's device default: 8192 uncached tokens on the GPU "
+        "model, 2048 on the CPU one) returns the step's members already pinned in the index; the step takes the cost "
+        "model's time for all of them (one fixed cost per step), then every member's kept (profile) blocks are committed "
+        "(LRU eviction) and the step is fed to the engine's online `JctEstimator` (seeded as the engine seeds it, with a "
+        "cold 256-token forward's seconds per token). Every member completes at its step's end. Policies: FCFS; SJF "
+        "(estimate frozen at arrival); CSJF = `csjf-independent` (every request ranked on its own: JCT estimate against "
+        "the cache now minus the starvation credit; the paper's); CSJF+groups = `csjf`, the engine's default (a cold "
+        "request whose kept blocks other waiting requests would read is ranked by Smith's rule for its whole dependency "
+        "group). λ = 500 tokens/s, block 64 tokens, no second tier; pick time is not charged to the simulated clock "
         "except in the scenario marked \"pick time charged\" (measured µs per waiting request × requests waiting, "
-        "added before every forward). "
-        "Load = offered QPS / saturated QPS, saturated = engines × requests / total service time with perfect "
-        "caching. Users arrive as a Poisson process (perf/workloads.py, seed "
+        "added before every step). "
+        "Load = offered QPS / saturated QPS, saturated = engines × requests / total one-at-a-time service time with "
+        "perfect caching. Users arrive as a Poisson process (perf/workloads.py, seed "
         f"{data['seed']}), a user's requests 0.1 s apart; N engines route users by a stable hash. "
         f"Service-time noise σ = {data['noise']:g}.",
         "",
@@ -632,31 +708,34 @@ def render(data: dict) -> str:
     # headline
     head = []
     for sc in data["scenarios"]:
-        near = [r for r in sc["runs"] if r["load"] == 0.9]
-        if not near:
+        by = {r["policy"]: r for r in sc["runs"] if r["load"] == 0.9}
+        if not all(p in by for p in ("fcfs", "csjf-independent", "csjf")):
             continue
-        by = {r["policy"]: r for r in near}
-        if "fcfs" in by and "csjf" in by:
-            f, c = by["fcfs"], by["csjf"]
-            head.append([sc["scenario"]["name"], _f(f["mean_latency_s"]), _f(c["mean_latency_s"]), f"{c['mean_latency_s'] / f['mean_latency_s']:.2f}",
-                         _f(f["p99_latency_s"]), _f(c["p99_latency_s"]), f"{c['p99_latency_s'] / f['p99_latency_s']:.2f}",
-                         f"{f['hit_rate']:.1%}", f"{c['hit_rate']:.1%}"])
+        f, c, g = by["fcfs"], by["csjf-independent"], by["csjf"]
+        head.append([sc["scenario"]["name"], _f(f["mean_latency_s"]), _f(c["mean_latency_s"]), _f(g["mean_latency_s"]),
+                     f"{g['mean_latency_s'] / c['mean_latency_s']:.2f}", _f(f["p99_latency_s"]), _f(c["p99_latency_s"]),
+                     _f(g["p99_latency_s"]), f"{g['p99_latency_s'] / c['p99_latency_s']:.2f}",
+                     f"{f['hit_rate']:.1%}", f"{c['hit_rate']:.1%}", f"{g['hit_rate']:.1%}"])
     if head:
-        lines += ["**At 0.9× saturation** (latencies in s):", "",
-                  bu.markdown_table(["scenario", "FCFS mean", "CSJF mean", "CSJF/FCFS", "FCFS P99", "CSJF P99", "CSJF/FCFS",
-                                     "FCFS hit", "CSJF hit"], head), ""]
+        lines += ["**At 0.9× saturation** (latencies in s; +groups/CSJF: CSJF+groups over CSJF):", "",
+                  bu.markdown_table(["scenario", "FCFS mean", "CSJF mean", "CSJF+groups mean", "+groups/CSJF", "FCFS P99",
+                                     "CSJF P99", "CSJF+groups P99", "+groups/CSJF", "FCFS hit", "CSJF hit", "CSJF+groups hit"],
+                                    head), ""]
     for sc in data["scenarios"]:
         s = sc["scenario"]
         users = next((r.get("users_per_engine") for r in sc["runs"] if r.get("users_per_engine")), None)
-        lines += [f"**{s['name']}** — {sc['workload']}; saturated {sc['saturated_qps']:.3g} req/s; cache "
-                  f"{sc['cache_blocks_per_engine']:,} blocks/engine (all profiles: {sc['profile_blocks']:,}); "
+        blocks = sc["cache_blocks_per_engine"]
+        cache = "room for every profile" if blocks is None else f"{blocks:,} blocks/engine"
+        ran = "" if sc.get("command", data["command"]) == data["command"] else f" Run by `{sc['command']}` ({sc.get('date', '?')})."
+        lines += [f"**{s['name']}** — {sc['workload']}; saturated {sc['saturated_qps']:.3g} req/s; cache {cache} "
+                  f"(all profiles: {sc['profile_blocks']:,}); steps of ≤ {sc.get('max_batch_tokens', '?')} uncached tokens; "
                   f"hit rate with perfect caching {sc['ideal_hit_rate']:.1%}"
                   + (f"; users per engine {users}" if users and len(users) > 1 else "")
-                  + ("; pick charged per waiting request: " + ", ".join(f"{p} {v * 1e6:.2f} µs" for p, v in sc["pick_s_per_waiting"].items())
-                     if sc.get("pick_s_per_waiting") else "") + ".", ""]
+                  + ("; pick charged per waiting request: " + ", ".join(f"{_label(p)} {v * 1e6:.2f} µs" for p, v in sc["pick_s_per_waiting"].items())
+                     if sc.get("pick_s_per_waiting") else "") + "." + ran, ""]
         policies = [p for p in POLICIES if any(r["policy"] == p for r in sc["runs"])]
-        header = ["load", "QPS"] + [f"{p.upper()} mean" for p in policies] + [f"{p.upper()} P99" for p in policies] \
-            + [f"{p.upper()} hit" for p in policies] + [f"{p.upper()} thr" for p in policies]
+        header = ["load", "QPS"] + [f"{_label(p)} mean" for p in policies] + [f"{_label(p)} P99" for p in policies] \
+            + [f"{_label(p)} hit" for p in policies] + [f"{_label(p)} thr" for p in policies]
         rows = []
         for load in sorted({r["load"] for r in sc["runs"]}):
             by = {r["policy"]: r for r in sc["runs"] if r["load"] == load}
@@ -670,9 +749,10 @@ def render(data: dict) -> str:
     if data.get("plot"):
         lines += [f"![latency vs QPS]({data['plot']})", ""]
     if data.get("pick_cost"):
-        lines += ["**Scheduler.pick cost** (wall time of one pick, median of several, this host, one thread; waiting "
-                  "requests are paper-scale post-rec hash lists, ~220 profile blocks each; the estimator is fitted):", ""]
-        rows = [[r["policy"], r["waiting"], "yes" if r["profiles_cached"] else "no", f"{r['median_ms']:.2f}", f"{r['per_request_us']:.2f}"]
+        lines += ["**Scheduler.pick_step cost** (wall time of one pick_step of one member: the policy's order of every waiting "
+                  "request, then the first one pinned; median of several, this host, one thread; waiting requests are "
+                  "paper-scale post-rec hash lists, ~220 profile blocks each; the estimator is fitted):", ""]
+        rows = [[_label(r["policy"]), r["waiting"], "yes" if r["profiles_cached"] else "no", f"{r['median_ms']:.2f}", f"{r['per_request_us']:.2f}"]
                 for r in data["pick_cost"]]
         lines += [bu.markdown_table(["policy", "waiting", "profiles cached", "ms / pick", "µs / waiting request"], rows), ""]
     if data.get("notes"):
@@ -680,35 +760,74 @@ def render(data: dict) -> str:
     return "\n".join(lines)
 
 
-def notes(gpu: CostModel, csjf_pick_s_per_waiting: float | None, scenarios: list[dict] = ()) -> list[str]:
-    """Reading aids computed from the cost model (the tables are the evidence)."""
+def notes(gpu: CostModel, pick_s_per_waiting: dict[str, float] | None, scenarios: list[dict] = ()) -> list[str]:
+    """Reading aids computed from the cost model and the runs (the tables are the evidence)."""
     credit = 500.0 * gpu.per_token_s  # CSJF's starvation credit, s per s waited, once the fit matches the model
     cold, warm = gpu.seconds(14000 + 161, 0), gpu.seconds(200, 13952)
     out = [
         f"CSJF's starvation guard with the GPU model: λ · (fitted s/token) = 500 × {gpu.per_token_s:.3g} = {credit:.3g} s of "
-        f"credit per s waited, while a cold 14K-token profile costs {cold:.2f} s against {warm * 1e3:.1f} ms for a warm post: a "
-        f"cold request overtakes waiting warm ones only after ~{(cold - warm) / credit:.0f} s. That is CSJF's P99 tail where "
-        "the cache has room for everyone (there FCFS loses no hits and its P99 is lower).",
+        f"credit per s waited, while a cold 14K-token profile costs {cold:.2f} s against {warm * 1e3:.1f} ms for a warm post: "
+        f"ranked on its own (CSJF), a cold request overtakes waiting warm ones only after ~{(cold - warm) / credit:.0f} s, and "
+        "so does every queued post of the same user (cold too until the profile is cached). That is CSJF's P99 tail "
+        "where the cache has room for everyone (there FCFS loses no hits and its P99 is lower). CSJF+groups ranks the "
+        "profile for the group it makes warm, (its cost + the followers' warm costs) / (1 + followers), minus the oldest "
+        "member's credit, so it runs after a fraction of that wait.",
         f"Per-user bursts: a user's requests come 0.1 s apart but its first (cold) one takes ~{cold:.1f} s on the GPU model, "
         "so the next few queue behind it even at low load: low-load latency is not the warm service time.",
-        "With 16 GiB (2,048 blocks for 4,181 profile blocks), FCFS interleaves users and LRU evicts profiles before their next "
-        "post: hits fall, every miss re-runs a ~0.5 s profile, and throughput collapses (the trace is finite, so thr above 1× "
-        "is bounded by the arrival spread). SJF with estimates frozen at arrival keeps most hits here but strands a user's "
-        "early posts (estimated cold while its profile was still being computed) behind everyone: its P99.",
+        f"Batched steps: the GPU model has no fixed cost per step ({gpu.fixed_s:g} s), so a step costs exactly the sum of its "
+        "members and batching adds no throughput; what it changes is that every member completes at its step's end (a "
+        "warm post batched with others waits for their forward too). A cold 14K profile is over the 8192-token budget, so "
+        "it always runs alone.",
     ]
-    if csjf_pick_s_per_waiting:
-        text = (f"CSJF's pick walks every waiting request's block list through PrefixIndex.match on every pick: "
-                f"~{csjf_pick_s_per_waiting * 1e6:.0f} µs per waiting request when its profile is cached (~220 blocks; "
-                f"this shared host's Python, it drifts between runs), so ~{300 * csjf_pick_s_per_waiting * 1e3:.0f} ms per "
-                f"pick at 300 waiting against a ~{warm * 1e3:.0f} ms warm forward")
+    tight = next((sc for sc in scenarios if sc["scenario"].get("key") == "post-rec-16g"), None)
+    if tight:
+        by = {(r["load"], r["policy"]): r for r in tight["runs"]}
+        top = max(r["load"] for r in tight["runs"])
+        hit_thr = ", ".join(f"{_label(p)} {by[(top, p)]['hit_rate']:.1%} / {_f(by[(top, p)]['throughput_qps'])} req/s"
+                            for p in POLICIES if (top, p) in by)
+        out.append(f"With 16 GiB ({tight['cache_blocks_per_engine']:,} blocks for {tight['profile_blocks']:,} profile blocks) "
+                   "the cache cannot hold every profile: whoever runs a profile while another user's posts still wait can "
+                   "evict that user's profile, and every miss re-runs a ~0.5 s profile. FCFS interleaves users, and CSJF+groups "
+                   "runs new profiles early (the dependency rule): both lose hits and throughput as load grows; CSJF and SJF "
+                   f"defer cold profiles and keep them. At {top:g}× (hit rate / thr): {hit_thr} (the trace is finite, so thr "
+                   "above 1× is bounded by the arrival spread).")
+    dep = next((sc for sc in scenarios if sc["scenario"].get("key") == "dependency-paper"), None)
+    if dep:
+        by = {(r["load"], r["policy"]): r for r in dep["runs"]}
+        loads = sorted({r["load"] for r in dep["runs"]})
+        pairs = [(ld, by[(ld, "csjf")], by[(ld, "csjf-independent")]) for ld in loads
+                 if (ld, "csjf") in by and (ld, "csjf-independent") in by]
+        if pairs:
+            mean_r = [g["mean_latency_s"] / c["mean_latency_s"] for _, g, c in pairs]
+            p99_r = [g["p99_latency_s"] / c["p99_latency_s"] for _, g, c in pairs]
+            same_hits = all(abs(g["hit_rate"] - c["hit_rate"]) < 5e-4 for _, g, c in pairs)
+            worse = [ld for (ld, g, c) in pairs if g["mean_latency_s"] > 1.02 * c["mean_latency_s"]]
+            text = (f"Dependency rule (the \"{dep['scenario']['name']}\" table): CSJF+groups / CSJF P99 "
+                    f"{min(p99_r):.2f}-{max(p99_r):.2f}, mean {min(mean_r):.2f}-{max(mean_r):.2f} over loads "
+                    f"{loads[0]:g}-{loads[-1]:g}× (same arrivals" + (", same hit rate" if same_hits else "") + "). ")
+            if worse:
+                text += (f"The tail is the gain; from {worse[0]:g}× on the mean is the price: the profile now runs ahead of warm "
+                         "posts, and each waits its ~0.5 s. Smith's rule itself would keep warm requests first (a group's "
+                         "average, (cold + n warm) / (n + 1), never falls below one warm request's cost); what moves the group "
+                         "earlier is the oldest member's starvation credit, shared over the group. The rule lowers the mean where "
+                         "a group competes with costlier requests: other cold profiles (tests/test_simulator.py, a burst of "
+                         "new users).")
+            out.append(text.strip())
+    per = (pick_s_per_waiting or {}).get("csjf")
+    if per:
+        text = (f"CSJF's pick walks every waiting request's block list through PrefixIndex.match_length on every step "
+                f"(CSJF+groups a second time to find the groups): ~{per * 1e6:.0f} µs per waiting request when its profile "
+                f"is cached (~220 blocks; this shared host's Python, it drifts between runs), so ~{300 * per * 1e3:.0f} ms per "
+                f"step at 300 waiting against a ~{warm * 1e3:.0f} ms warm forward")
         charged = next((sc for sc in scenarios if sc["scenario"].get("charge_pick")), None)
-        if charged:
-            by = {(r["load"], r["policy"]): r["mean_latency_s"] for r in charged["runs"]}
-            behind = [ld for ld in sorted({r["load"] for r in charged["runs"]})
-                      if by.get((ld, "csjf"), 0) > by.get((ld, "sjf"), float("inf"))]
-            text += (f"; charged to the clock, CSJF's mean latency falls behind SJF's from {behind[0]:g}× load"
-                     if behind else "; charged to the clock, CSJF's mean latency still matches or beats SJF's at every load")
-            text += " (the \"pick time charged\" table)"
+        free = next((sc for sc in scenarios if sc["scenario"].get("key") == "post-rec-16g"), None)
+        if charged and free:
+            base = {(r["load"], r["policy"]): r["mean_latency_s"] for r in free["runs"]}
+            extra = [(r["mean_latency_s"] / base[(r["load"], r["policy"])] - 1, r["load"], r["policy"]) for r in charged["runs"]
+                     if (r["load"], r["policy"]) in base]
+            worst, load, policy = max(extra)
+            text += (f"; charged to the clock (one pick per step), it adds at most {worst:.1%} to a mean latency "
+                     f"({_label(policy)} at {load:g}×; the \"pick time charged\" table against the plain 16 GiB one)")
         out.append(text + ".")
     return out
 
@@ -721,24 +840,29 @@ def plot(data: dict, path: Path) -> bool:
     cols = min(3, len(scs))
     rows = math.ceil(len(scs) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.9 * rows), squeeze=False)
-    colors = {"fcfs": "tab:red", "sjf": "tab:orange", "csjf": "tab:blue"}
     for ax, sc in zip(axes.flat, scs):
         for p in POLICIES:
             runs = sorted((r for r in sc["runs"] if r["policy"] == p), key=lambda r: r["offered_qps"])
             if not runs:
                 continue
             x = [r["offered_qps"] for r in runs]
-            ax.plot(x, [r["mean_latency_s"] for r in runs], "-o", ms=3, color=colors[p], label=f"{p.upper()} mean")
-            ax.plot(x, [r["p99_latency_s"] for r in runs], "--", color=colors[p], alpha=0.7, label=f"{p.upper()} P99")
+            ax.plot(x, [r["mean_latency_s"] for r in runs], "-o", ms=3, color=COLORS[p], label=f"{_label(p)} mean")
+            ax.plot(x, [r["p99_latency_s"] for r in runs], "--", color=COLORS[p], alpha=0.7, label=f"{_label(p)} P99")
         ax.axvline(sc["saturated_qps"], color="gray", lw=0.8, ls=":")
         ax.set_yscale("log")
         ax.set_xlabel("offered QPS (req/s); dotted: saturation")
         ax.set_ylabel("latency (s)")
-        ax.set_title(sc["scenario"]["name"], fontsize=8)
+        ax.set_title(sc["scenario"]["name"], fontsize=7)
         ax.grid(alpha=0.3)
     for ax in axes.flat[len(scs):]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=7)
+    handles = {}  # every policy's lines, from whichever panels drew them, in POLICIES order
+    for ax in axes.flat[: len(scs)]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    order = [f"{_label(p)} {m}" for p in POLICIES for m in ("mean", "P99") if f"{_label(p)} {m}" in handles]
+    spare = axes.flat[len(scs)] if len(scs) < axes.size else axes.flat[0]
+    spare.legend([handles[k] for k in order], order, fontsize=7, loc="center" if spare is not axes.flat[0] else "best")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=80)
@@ -790,11 +914,37 @@ def render_fleet(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def merge_results(previous: dict, new: dict, order: list[Scenario]) -> dict:
+    """`new` (a --scenario run) merged into the stored results `previous`: its scenarios replace
+    those with the same id, the others are kept (each with the command and date it was run with),
+    in the default sweep's order; the pick-cost table is kept unless `new` measured one. Only
+    results of this RESULTS_FORMAT are merged (older ones came from another simulator)."""
+    if previous.get("format") != RESULTS_FORMAT or not previous.get("scenarios"):
+        return new
+    by_id = {sc["scenario"].get("key") or sc["scenario"]["name"]: sc for sc in previous["scenarios"]}
+    for sc in previous["scenarios"]:
+        sc.setdefault("command", previous["command"])
+        sc.setdefault("date", previous["date"])
+    by_id.update({sc["scenario"].get("key") or sc["scenario"]["name"]: sc for sc in new["scenarios"]})
+    out = dict(previous)
+    out["scenarios"] = [by_id[sc.id] for sc in order if sc.id in by_id]
+    out["pick_cost"] = new.get("pick_cost") or previous.get("pick_cost")
+    out["updates"] = previous.get("updates", []) + [{"command": new["command"], "date": new["date"],
+                                                    "scenarios": [sc["scenario"]["name"] for sc in new["scenarios"]]}]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="cpu-scale traces, 4 loads, prints only (smoke run)")
-    p.add_argument("--loads", type=float, nargs="+", help=f"multiples of saturation (default {' '.join(map(str, DEFAULT_LOADS))})")
-    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    p.add_argument("--scenario", metavar="NAME_SUBSTRING",
+                   help="run only the scenarios whose key or name contains this (case-insensitive); the results are "
+                        "merged into the stored ones")
+    p.add_argument("--loads", type=float, nargs="+",
+                   help=f"multiples of saturation (default {' '.join(map(str, DEFAULT_LOADS))}; the dependency-rule scenario "
+                        f"{' '.join(map(str, DEPENDENCY_LOADS))})")
+    p.add_argument("--policies", nargs="+", choices=POLICIES, help="default: each scenario's (all but SJF in the dependency one)")
+    p.add_argument("--max-batch-tokens", type=int, help="a step's uncached-token budget (default: the engine's device default; 1 = unbatched)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK)
     p.add_argument("--mfu", type=float, default=0.5, help="GPU cost model: fraction of 989 TFLOP/s")
@@ -814,28 +964,45 @@ def main(argv: list[str] | None = None) -> int:
             bu.replace_section(bu.PERF_DIR / "RESULTS.md", FLEET_SECTION, render_fleet(data))
         return 0
 
-    loads = a.loads or ([0.25, 0.9, 2.0, 4.0] if a.quick else list(DEFAULT_LOADS))
+    every = default_scenarios(a.quick)
+    selected = [] if a.pick_cost_only else select_scenarios(every, a.scenario)
+    if a.scenario and not selected:
+        p.error(f"no scenario matches {a.scenario!r}; scenarios: " + "; ".join(f"{sc.key} ({sc.name})" for sc in every))
     t0 = time.perf_counter()
-    bu.log("pick cost (paper-scale post-rec hash lists)")
-    pick = measure_pick_cost(tuple(a.pick_sizes), a.block_size, reps=3 if a.quick else 5)
-    # per waiting request, profiles cached, at the smallest size measured: what the charged scenario uses
-    smallest = min(a.pick_sizes)
-    per_waiting = {r["policy"]: r["per_request_us"] * 1e-6 for r in pick if r["profiles_cached"] and r["waiting"] == smallest}
+    pick, per_waiting = [], {}
+    if a.pick_cost_only or not a.scenario or any(sc.charge_pick for sc in selected):
+        bu.log("pick cost (paper-scale post-rec hash lists)")
+        pick = measure_pick_cost(tuple(a.pick_sizes), a.block_size, reps=3 if a.quick else 5)
+        # per waiting request, profiles cached, at the smallest size measured: what the charged scenario uses
+        smallest = min(a.pick_sizes)
+        per_waiting = {r["policy"]: r["per_request_us"] * 1e-6 for r in pick if r["profiles_cached"] and r["waiting"] == smallest}
+    quick_loads = [0.25, 0.9, 2.0, 4.0]
+    command, date = bu.command_line(), bu.now_iso()
     scenarios = []
-    if not a.pick_cost_only:
-        for sc in default_scenarios(a.quick):
-            scenarios.append(run_scenario(sc, loads, a.policies, a.seed, a.block_size, a.mfu, a.noise, per_waiting))
+    for sc in selected:
+        loads = a.loads or (quick_loads if a.quick else list(sc.loads or DEFAULT_LOADS))
+        policies = [q for q in POLICIES if q in (a.policies or sc.policies or POLICIES)]
+        out = run_scenario(sc, loads, policies, a.seed, a.block_size, a.mfu, a.noise, per_waiting, a.max_batch_tokens)
+        out.update(command=command, date=date, wall_s=sum(r["sim_wall_s"] for r in out["runs"]))
+        scenarios.append(out)
+        bu.log(f"  [{out['wall_s']:.0f} s of simulation]")
     bu.log(f"done in {time.perf_counter() - t0:.0f} s")
     if a.no_write or a.pick_cost_only or a.quick:
         return 0
-    data = {"command": bu.command_line(), "date": bu.now_iso(), "machine": bu.machine_info(1), "seed": a.seed, "noise": a.noise,
-            "cost_models": {"gpu": gpu_cost_model(mfu=a.mfu).describe(), "cpu": cpu_cost_model().describe()},
+    data = {"format": RESULTS_FORMAT, "command": command, "date": date, "machine": bu.machine_info(1), "seed": a.seed,
+            "noise": a.noise, "cost_models": {"gpu": gpu_cost_model(mfu=a.mfu).describe(), "cpu": cpu_cost_model().describe()},
             "scenarios": scenarios, "pick_cost": pick, "total_wall_s": time.perf_counter() - t0}
-    data["notes"] = notes(gpu_cost_model(mfu=a.mfu), per_waiting.get("csjf"), scenarios)
+    path = bu.PERF_DIR / "results" / "simulate.json"
+    if a.scenario:
+        data = merge_results(bu.load_json(path), data, every)
+    data["notes"] = notes(gpu_cost_model(mfu=a.mfu), {r["policy"]: r["per_request_us"] * 1e-6 for r in data.get("pick_cost") or []
+                                                       if r["profiles_cached"] and r["waiting"] == min(a.pick_sizes)},
+                          data["scenarios"])
     png = bu.PERF_DIR / "results" / "simulate.png"
+    data.pop("plot", None)
     if plot(data, png):
         data["plot"] = "results/simulate.png"
-    bu.save_json(bu.PERF_DIR / "results" / "simulate.json", data)
+    bu.save_json(path, data)
     bu.replace_section(bu.PERF_DIR / "RESULTS.md", SECTION, render(data))
     bu.log("wrote perf/results/simulate.json, perf/results/simulate.png and the RESULTS.md section")
     return 0

@@ -1,9 +1,10 @@
 """perf/simulate.py: the discrete-event scheduler simulation. Fast; no model (the engine's
-Scheduler and PrefixIndex with a cost model)."""
+Scheduler and PrefixIndex with a cost model, batched steps through Scheduler.pick_step)."""
 
 from __future__ import annotations
 
-from collections import Counter
+import dataclasses
+from collections import Counter, defaultdict
 
 import pytest
 
@@ -25,6 +26,14 @@ def numbers(res):
     return s, [(r.request_id, r.engine, r.start_s, r.done_s, r.cached) for r in res.records]
 
 
+def steps_of(res):
+    """{(engine, start, done): the step's records}: the records of one batched step share them."""
+    steps = defaultdict(list)
+    for r in res.records:
+        steps[(r.engine, r.start_s, r.done_s)].append(r)
+    return steps
+
+
 # -- cost models ------------------------------------------------------------------------------
 def test_gpu_cost_model_matches_design_md():
     gpu = sim.gpu_cost_model()  # Llama-3.1-8B at 50% of 989 TFLOP/s: ~30.7K tok/s at 8K, ~20.2K at 40K
@@ -33,6 +42,16 @@ def test_gpu_cost_model_matches_design_md():
     flops = 2 * 7.0e9 * 200 + 2 * 32 * 4096 * 200 * (2 * 14000 + 200)
     assert gpu.seconds(200, 14000) == pytest.approx(flops / (0.5 * 989e12))
     assert gpu.kv_bytes_per_token == 128 * 1024
+    assert sim.default_step_tokens(gpu) == 8192 and sim.default_step_tokens(sim.cpu_cost_model()) == 2048
+
+
+def test_a_step_pays_the_fixed_cost_once():
+    cpu = sim.cpu_cost_model()
+    splits = [(200, 2000), (150, 0), (1000, 64)]
+    assert cpu.step_seconds(splits[:1]) == pytest.approx(cpu.seconds(200, 2000))
+    assert cpu.step_seconds(splits) == pytest.approx(sum(cpu.seconds(u, c) for u, c in splits) - 2 * cpu.fixed_s)
+    gpu = sim.gpu_cost_model()  # no fixed cost: a step costs exactly the sum of its members
+    assert gpu.step_seconds(splits) == pytest.approx(sum(gpu.seconds(u, c) for u, c in splits))
 
 
 def test_cpu_cost_model_defaults():
@@ -86,9 +105,13 @@ def test_every_request_completes_exactly_once(policy, engines):
     for r in res.records:
         assert r.arrival_s <= r.start_s < r.done_s
         assert r.done_s == pytest.approx(r.start_s + r.service_s)
-    for e in range(engines):  # one request at a time per engine
-        mine = sorted((r for r in res.records if r.engine == e), key=lambda r: r.start_s)
-        assert all(x.done_s <= y.start_s + 1e-12 for x, y in zip(mine, mine[1:]))
+    steps = steps_of(res)
+    assert len(steps) == res.summary()["picks"] < len(res.records)  # batched: fewer steps than requests
+    for (e, _, _), members in steps.items():
+        assert all(r.step_members == len(members) and r.step_tokens == sum(m.uncached for m in members) for r in members)
+    for e in range(engines):  # one step at a time per engine
+        mine = sorted((k for k in steps if k[0] == e), key=lambda k: k[1])
+        assert all(x[2] <= y[1] + 1e-12 for x, y in zip(mine, mine[1:]))
     users = {}
     for r in res.records:  # user affinity: a user's requests all on one engine
         users.setdefault(r.request_id.split("/")[0], set()).add(r.engine)
@@ -104,6 +127,35 @@ def test_overloaded_requests_are_refused_not_lost():
     assert sorted([r.request_id for r in res.records] + res.rejected) == sorted(r.request_id for r in work.requests)
 
 
+@pytest.mark.parametrize("budget", [None, 1, 600])
+def test_a_batched_step_holds_at_most_max_batch_tokens_unless_alone(budget):
+    """StepBudget(tokens): a step's uncached tokens stay within the budget; only a step of one
+    request may exceed it (a cold profile over the budget runs alone)."""
+    work = sim.post_rec_workload(SMALL_POST_REC, seed=1)
+    cost = sim.cpu_cost_model()
+    res = run(work, cost, 2.0, "csjf", cache_blocks=150, max_batch_tokens=budget)
+    limit = budget or sim.default_step_tokens(cost)
+    steps = list(steps_of(res).values())
+    assert all(sum(r.uncached for r in m) <= limit for m in steps if len(m) > 1)
+    assert any(sum(r.uncached for r in m) > limit for m in steps if len(m) == 1)  # the profiles: over budget, alone
+    if budget == 1:
+        assert all(len(m) == 1 for m in steps)  # 1 = the unbatched engine: one request per step
+    else:
+        assert max(len(m) for m in steps) > 1
+    assert Counter(r.request_id for r in res.records) == Counter(r.request_id for r in work.requests)
+
+
+def test_batching_amortises_the_fixed_cost():
+    """The CPU model's fixed cost is paid once per step: batched, the same trace takes less
+    service time in all and finishes sooner."""
+    work = sim.post_rec_workload(SMALL_POST_REC, seed=0)
+    one, batched = (run(work, sim.cpu_cost_model(), 2.0, "fcfs", max_batch_tokens=b) for b in (1, None))
+    busy = [sum(k[2] - k[1] for k in steps_of(res)) for res in (one, batched)]
+    assert busy[1] < busy[0] - 10 * sim.cpu_cost_model().fixed_s
+    assert batched.summary()["makespan_s"] < one.summary()["makespan_s"]
+    assert one.summary()["mean_step_members"] == 1 < batched.summary()["mean_step_members"]
+
+
 def test_low_load_latency_is_the_service_time():
     work = sim.credit_workload(SMALL_CREDIT, seed=0)
     for policy in sim.POLICIES:
@@ -114,11 +166,14 @@ def test_low_load_latency_is_the_service_time():
 
 
 def test_fcfs_with_room_for_every_profile_costs_the_perfect_cache_total():
-    """FCFS runs a user's requests in order, so with a large cache only first requests miss."""
+    """FCFS runs a user's requests in order, so with a large cache only first requests miss
+    (one request per step: the perfect-cache total is a sum of one-request service times)."""
     work = sim.post_rec_workload(SMALL_POST_REC, seed=0)
     cost = sim.cpu_cost_model()
-    res = run(work, cost, 2.0, "fcfs")
+    res = run(work, cost, 2.0, "fcfs", max_batch_tokens=1)
     assert sum(r.service_s for r in res.records) == pytest.approx(sim.perfect_cache_service_s(work, cost))
+    batched = run(work, cost, 2.0, "fcfs")  # batched: the same hits
+    assert batched.summary()["hit_rate"] == pytest.approx(res.summary()["hit_rate"])
     assert res.summary()["hit_rate"] == pytest.approx(1 - sim.perfect_cache_tokens(work) / work.prompt_tokens)
     assert res.summary()["blocks_evicted"] == 0
 
@@ -131,15 +186,86 @@ def test_tight_cache_evicts_and_never_exceeds_capacity():
     assert s["hit_rate"] < 1 - sim.perfect_cache_tokens(work) / work.prompt_tokens
 
 
+@pytest.mark.parametrize("policy", ["csjf-independent", "csjf"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_csjf_keeps_more_cache_hits_than_fcfs_near_saturation(seed):
+def test_csjf_keeps_more_cache_hits_than_fcfs_near_saturation(seed, policy):
     """Zero-cost cache hits (cached tokens cost nothing) and a cache for ~3 of 8 profiles."""
     work = sim.post_rec_workload(SMALL_POST_REC, seed=seed)
     cost = sim.cpu_cost_model(context_factor=0)
     blocks = 3 * 2000 // 64
-    fcfs, csjf = (run(work, cost, 1.0, p, cache_blocks=blocks).summary() for p in ("fcfs", "csjf"))
+    fcfs, csjf = (run(work, cost, 1.0, p, cache_blocks=blocks).summary() for p in ("fcfs", policy))
     assert csjf["hit_rate"] >= fcfs["hit_rate"]
     assert csjf["mean_latency_s"] <= fcfs["mean_latency_s"]
+
+
+@pytest.mark.parametrize("load", [0.5, 2.0])
+def test_without_shared_blocks_groups_change_nothing(load):
+    """Credit verification: every request has its own blocks, so there are no dependency groups
+    and csjf is exactly csjf-independent (every record the same)."""
+    work = sim.credit_workload(wl.CreditScale(requests=30, length_mean=6000), seed=0)
+    for cost in (sim.cpu_cost_model(), sim.gpu_cost_model()):
+        a, b = (numbers(run(work, cost, load, p, noise=0.1)) for p in ("csjf-independent", "csjf"))
+        assert a == b
+        assert a[0]["max_waiting"] > 1  # there was a queue to order
+
+
+def _burst_of_new_users(seed: int) -> list[sim.SimRequest]:
+    """Two heavy users (~12K-token profiles, 15 posts each) and four light ones (~6K-token
+    profiles, one post each), every request submitted at t = 0 (a batch of candidate posts
+    scored at once). Profiles are clipped to 0.7-1.3x their mean, so every light prompt is
+    shorter than every heavy one, whatever the seed."""
+    heavy = sim.post_rec_workload(wl.PostRecScale(users=2, posts_per_user=15, profile_mean=12_000), seed)
+    light = sim.post_rec_workload(wl.PostRecScale(users=4, posts_per_user=1, profile_mean=6_000), seed + 100)
+    reqs = [dataclasses.replace(r, arrival_s=0.0) for r in heavy.requests]
+    reqs += [dataclasses.replace(r, request_id=f"light{r.user}", user=r.user + 2, arrival_s=0.0) for r in light.requests]
+    return reqs
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("budget", [None, 1])
+def test_dependency_groups_lower_the_mean_and_the_tail_of_a_burst_of_new_users(seed, budget):
+    """Why groups win here (Smith's rule): everything is cold at t = 0 and every request arrived
+    at the same time, so starvation credits are equal and only the estimates order the queue.
+    CSJF ranks each cold request on its own: the four light profiles (~0.19 s each on the H200
+    model) go first and the heavy users' 30 requests wait behind them, each heavy user's posts
+    cold until its own ~0.42 s profile has run. CSJF+groups ranks a heavy profile for its group,
+    (0.42 s + 14 warm posts x ~6 ms) / 15 ~ 0.03 s per request, below every light profile, so
+    each heavy user's 15 requests finish first and only the four light ones wait: by the
+    exchange argument the total (so the mean) latency falls, here by a third to a half. The tail: the
+    total work is the same (same hits; the GPU model's step costs the sum of its members), so
+    the last request finishes at the same time under both; under CSJF the last step is a heavy
+    user's batch of warm posts (or, unbatched, warm posts ~7 ms apart), under CSJF+groups the
+    last two requests are light profiles that never share a step (two never fit in 8192 tokens),
+    so the second latest finishes ~0.19 s earlier and the P99 (between the two largest of 34)
+    is lower. Against WARM competitors the rule cannot lower the mean (a group's average,
+    (cold + n warm) / (n + 1), is always above one warm request's cost): there it only moves the
+    group earlier by the shared starvation credit, which is the next test."""
+    reqs = _burst_of_new_users(seed)
+    cost = sim.gpu_cost_model()
+    indep, groups = (sim.simulate(reqs, cost, sim.SimConfig(policy=p, max_batch_tokens=budget)).summary()
+                     for p in ("csjf-independent", "csjf"))
+    assert groups["hit_rate"] == pytest.approx(indep["hit_rate"])
+    assert groups["makespan_s"] == pytest.approx(indep["makespan_s"])
+    assert groups["mean_latency_s"] < 0.8 * indep["mean_latency_s"]
+    assert groups["p99_latency_s"] < indep["p99_latency_s"] - 0.03
+
+
+def test_dependency_groups_cut_the_tail_behind_warm_requests_at_paper_scale():
+    """Post recommendation at paper scale (20 users x 50 posts, ~14K-token profiles), the H200
+    model, room for every profile, 0.9x saturation: CSJF makes a new user's cold profile (and
+    with it every post of that user) wait behind the warm backlog until its starvation credit
+    covers ~0.5 s of cost, ~35 s at 500 tokens/s of credit; CSJF+groups shares the oldest
+    member's credit over the group, so the profile runs after a fraction of that wait and the
+    P99 falls (the table in perf/RESULTS.md: about half). The price is the mean: the warm
+    requests the profile now overtakes each wait its ~0.5 s (Smith's rule prefers warm first
+    here), so CSJF's mean stays lower at this load (FCFS's, which ignores the cache, is higher still)."""
+    work = sim.post_rec_workload("paper")
+    cost = sim.gpu_cost_model()
+    reqs = work.with_arrivals(0.9 * sim.saturated_qps(work, cost))
+    fcfs, indep, groups = (sim.simulate(reqs, cost, sim.SimConfig(policy=p)).summary() for p in ("fcfs", "csjf-independent", "csjf"))
+    assert groups["hit_rate"] == pytest.approx(indep["hit_rate"]) == pytest.approx(fcfs["hit_rate"])
+    assert groups["p99_latency_s"] < 0.7 * indep["p99_latency_s"]
+    assert indep["mean_latency_s"] < groups["mean_latency_s"] < fcfs["mean_latency_s"]
 
 
 def test_csjf_estimator_is_fitted_online():
@@ -216,13 +342,36 @@ def test_saturated_qps_scales_with_engines():
 def test_render_and_plot_smoke(tmp_path):
     sc = sim.Scenario("tiny", "post_rec", "tiny", "cpu", 1, 0.01)
     data = sim.run_scenario(sc, [0.5, 0.9], list(sim.POLICIES), 0, 64, 0.5, 0.0)
-    assert len(data["runs"]) == 6 and data["requests"] == 4  # the tiny preset: 2 users x 2 posts
+    assert len(data["runs"]) == 8 and data["requests"] == 4  # the tiny preset: 2 users x 2 posts
     doc = {"command": "x", "date": "d", "machine": {"cpu": "c", "cores": 1, "memory_gib": 1, "torch": "t", "threads": 1, "python": "p"},
            "seed": 0, "noise": 0.0, "cost_models": {"cpu": sim.cpu_cost_model().describe()}, "scenarios": [data],
            "pick_cost": [{"policy": "csjf", "waiting": 10, "profiles_cached": True, "median_ms": 1.0, "per_request_us": 100.0}]}
     text = sim.render(doc)
-    assert "At 0.9× saturation" in text and "CSJF mean" in text
+    assert "At 0.9× saturation" in text and "| CSJF mean |" in text and "CSJF+groups mean" in text and "SJF P99" in text
     assert sim.plot(doc, tmp_path / "p.png") and (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_scenario_filter_and_merge():
+    every = sim.default_scenarios(False)
+    assert [sc.key for sc in sim.select_scenarios(every, "dependency")] == ["dependency-paper"]
+    assert len(sim.select_scenarios(every, "CREDIT")) == 2 and sim.select_scenarios(every, None) == every
+    assert len({sc.id for sc in every}) == len(every)
+    dep = next(sc for sc in every if sc.key == "dependency-paper")
+    assert dep.cache_gib is None and dep.policies == ("fcfs", "csjf-independent", "csjf") and max(dep.loads) == 2.0
+    assert wl.POST_REC_SCALES[dep.scale] == wl.PostRecScale(users=20, posts_per_user=50, profile_mean=14000)
+
+    def entry(sc, tag):
+        return {"scenario": dataclasses.asdict(sc), "command": tag, "date": tag, "runs": []}
+
+    old = {"format": sim.RESULTS_FORMAT, "command": "full", "date": "d0", "pick_cost": ["old"],
+           "scenarios": [entry(sc, "full") for sc in every]}
+    new = {"format": sim.RESULTS_FORMAT, "command": "part", "date": "d1", "pick_cost": [],
+           "scenarios": [entry(every[3], "part")]}
+    merged = sim.merge_results(old, new, every)
+    assert [s["scenario"]["key"] for s in merged["scenarios"]] == [sc.key for sc in every]
+    assert [s["command"] for s in merged["scenarios"]] == ["full"] * 3 + ["part"] + ["full"] * (len(every) - 4)
+    assert merged["command"] == "full" and merged["pick_cost"] == ["old"] and merged["updates"][-1]["command"] == "part"
+    assert sim.merge_results({"format": 1, "scenarios": old["scenarios"]}, new, every) is new  # another simulator's results
 
 
 def test_sim_engine_caches_exactly_as_the_engines_prefix_cache():
@@ -250,9 +399,10 @@ def test_sim_engine_caches_exactly_as_the_engines_prefix_cache():
                            np.random.default_rng(0), 0.0)
     simulated, real = [], []
     for r in reqs:
-        engine.scheduler.add(sim.WaitingRequest(prompt_tokens=r.prompt_tokens, block_hashes=r.block_keys, payload=r))
+        engine.add(r)
         clock.now = engine.start_next()
-        simulated.append(engine.finish().cached)
+        [record] = engine.finish()
+        simulated.append(record.cached)
         ticket = cache.begin(r.block_keys, r.prompt_tokens, r.keep_len)
         real.append(ticket.cached_tokens)
         cache.commit(ticket)

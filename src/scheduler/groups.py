@@ -13,12 +13,16 @@ weight; for the group taken as one job that is
 
     group cost = (jct(leader) + sum of jct(follower, warm after the leader)) / (1 + followers)
 
-against jct(r) for an independent request. Exchanging the group with an independent request
-lowers the total completion time exactly when its group cost is lower (the group is a chain: the
-leader first, then its followers), so this order lowers the mean; and a group's members share the
-oldest member's starvation credit, so a cold profile that holds up many requests is served after
-1/(1 + followers) of the wait plain CSJF gives it, which lowers the tail. A group of one is plain
-CSJF, so without shared blocks the order is unchanged.
+against jct(r) for an independent request. Before credit, exchanging the group with an
+independent request lowers the total completion time exactly when its group cost is lower (the
+group is a chain: the leader first, then its followers), so against other cold work (a profile
+that many requests wait on against one that few do) this order lowers the mean. Against warm
+work the group cost is above a warm request's, so Smith's rule alone would keep the group
+waiting; what moves it is the starvation credit, which the group shares (its oldest member's):
+a cold profile that holds up F requests overtakes warm work after 1/(1 + F) of the wait plain
+CSJF gives it. That lowers the tail and costs the warm requests it overtakes some mean (the
+simulator at paper scale: P99 0.46-0.89x plain CSJF's, mean 1.0-1.4x; perf/RESULTS.md). A group
+of one is plain CSJF, so without shared blocks the order is unchanged.
 """
 
 from __future__ import annotations
