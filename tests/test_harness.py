@@ -156,7 +156,15 @@ def test_percentile_and_prefix_hit_counters_from_metrics_text():
         'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 600.0\n'
         'vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e9\n')
     before = {"prompt_tokens": 0.0, "cached_tokens": 0.0}
-    assert harness.prefix_hits_from_samples("ours", ours) == {"prompt_tokens": 1000.0, "cached_tokens": 700.0}
+    assert harness.prefix_hits_from_samples("ours", ours) == {"prompt_tokens": 1000.0, "cached_tokens": 700.0, "idle_gap_s": 0,
+                                                              "steps": 0, "steps_gap_under_5ms": 0}
     assert harness.hit_fraction(before, harness.prefix_hits_from_samples("ours", ours)) == pytest.approx(0.7)
     assert harness.hit_fraction(before, harness.prefix_hits_from_samples("vllm", vllm)) == pytest.approx(0.6)
     assert harness.hit_fraction({"error": "x"}, before) is None
+    gaps = parse_prometheus(
+        'prefillonly_step_idle_gap_seconds_bucket{le="0.005"} 9\nprefillonly_step_idle_gap_seconds_bucket{le="+Inf"} 10\n'
+        'prefillonly_step_idle_gap_seconds_sum 0.03\nprefillonly_step_idle_gap_seconds_count 10\n')
+    after = harness.prefix_hits_from_samples("ours", gaps)
+    got = harness.idle_gaps(harness.prefix_hits_from_samples("ours", []), after)
+    assert got == {"steps": 10, "mean_idle_gap_ms": pytest.approx(3.0), "steps_within_5ms": pytest.approx(0.9)}
+    assert harness.idle_gaps(before, harness.prefix_hits_from_samples("vllm", vllm)) is None

@@ -122,9 +122,12 @@ class Scheduler:
             for req in order[1:]:
                 if req.priority != first.priority or plan.tokens >= budget.tokens:
                     break
-                if req.runs_alone or self.split(req).uncached + plan.tokens > budget.tokens:
-                    continue  # the estimate is exact unless a tier-2 restore fails: skip the pin
-                if self._first_computed_block(req) in computing:
+                if req.runs_alone or self._first_computed_block(req) in computing:
+                    continue
+                # the estimate first: pinning reserves the blocks to keep, which may evict others'
+                # blocks for good, so only a candidate that fits as estimated is pinned (the real
+                # split differs only when a tier-2 restore finds no room)
+                if not budget.admits(plan.shape + [self.split(req)]):
                     continue
                 member = self._admit(req, plan)
                 if not budget.admits(plan.shape):
