@@ -250,7 +250,15 @@ class Engine:
                     if self._closed:
                         return
                     expired = self.scheduler.take_expired()
-                    plan = self.scheduler.pick_step(self.step_budget)
+                    try:
+                        plan = self.scheduler.pick_step(self.step_budget)
+                    except BaseException as e:  # the worker must survive: what waited gets this error
+                        log.exception("prefillonly: the scheduler failed to plan a step; failing every waiting request")
+                        plan, broken = StepPlan(), self.scheduler.drain()
+                        for r in broken:
+                            if r.future.set_running_or_notify_cancel():
+                                self.counters.failed[_error_code(e)] += 1
+                                self._completions.deliver(r.future, error=e)
                 for r in expired:
                     self._fail(r, DeadlineExceededError("deadline passed while the request waited; it was not run"),
                                deliver=self._completions.deliver)

@@ -400,6 +400,16 @@ def test_a_failing_step_answers_its_requests_and_the_worker_keeps_serving(family
         with pytest.raises(RuntimeError, match="cache exploded"):
             engine.submit([1, 2, 3], [5]).result(30)  # a dead worker would time out here
         assert engine.stats().counters.failed["RuntimeError"] == 1
+        real_pick = engine.scheduler.pick_step
+
+        def broken_pick(budget):
+            engine.scheduler.pick_step = real_pick  # only this plan fails
+            raise RuntimeError("scheduler exploded")
+
+        engine.scheduler.pick_step = broken_pick
+        with pytest.raises(RuntimeError, match="scheduler exploded"):
+            engine.submit([1, 2, 4], [5]).result(30)
+        assert engine.stats().counters.failed["RuntimeError"] == 2
         executor = engine.executor
         real_forward = executor.forward_batch
 
