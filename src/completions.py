@@ -36,10 +36,6 @@ class CompletionThread:
         if threading.current_thread() is not self._thread:  # a callback may close the engine
             self._thread.join(timeout)
 
-    @property
-    def thread(self) -> threading.Thread:
-        return self._thread
-
     def _run(self) -> None:
         while True:
             item = self._queue.get()

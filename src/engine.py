@@ -254,11 +254,8 @@ class Engine:
                         plan = self.scheduler.pick_step(self.step_budget)
                     except BaseException as e:  # the worker must survive: what waited gets this error
                         log.exception("prefillonly: the scheduler failed to plan a step; failing every waiting request")
-                        plan, broken = StepPlan(), self.scheduler.drain()
-                        for r in broken:
-                            if r.future.set_running_or_notify_cancel():
-                                self.counters.failed[_error_code(e)] += 1
-                                self._completions.deliver(r.future, error=e)
+                        plan = StepPlan()
+                        self._answer_all(self.scheduler.drain(), e)
                 for r in expired:
                     self._fail(r, DeadlineExceededError("deadline passed while the request waited; it was not run"),
                                deliver=self._completions.deliver)
@@ -275,7 +272,7 @@ class Engine:
         except BaseException as e:  # the worker must survive: every planned request gets this error
             for m in plan.members:
                 self.runner.release(m)
-            self._answer_all(plan, e)
+            self._answer_all([m.request for m in plan.members], e)
             return
         now = time.monotonic()
         live = []
@@ -307,12 +304,13 @@ class Engine:
                 else:
                     self.counters.completed += 1
 
-    def _answer_all(self, plan: StepPlan[ScoreRequest], error: BaseException) -> None:
-        for m in plan.members:
-            if m.request.future.set_running_or_notify_cancel():
-                with self._cv:
+    def _answer_all(self, requests: list[QueuedRequest], error: BaseException) -> None:
+        """Fail each request that was to run (and was not cancelled) with `error`, on the completion thread."""
+        for r in requests:
+            if r.future.set_running_or_notify_cancel():
+                with self._cv:  # re-entrant: the scheduler's failure path already holds it
                     self.counters.failed[_error_code(error)] += 1
-                self._completions.deliver(m.request.future, error=error)
+                self._completions.deliver(r.future, error=error)
 
     def _fail(self, req: QueuedRequest, error: PrefillOnlyError, deliver=None) -> None:
         """Refuse a request that never ran (deadline passed, engine closed); `deliver`: how to

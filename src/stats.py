@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # tensor-free, but the cache package imports torch
+    from .cache.index import CacheStats
 
 
 @dataclass
@@ -46,7 +50,7 @@ class EngineStats:
     dtype: str
     dtype_reason: str  # why `dtype` was chosen (EngineConfig.dtype_reason)
     budget_bytes: dict[str, int]  # weights, activation, cache_tier1[, cache_tier2]
-    cache: object | None = None  # the prefix cache's CacheStats (a copy); None without a cache
+    cache: CacheStats | None = None  # the prefix cache's counters (a copy); None without a cache
     cache_bytes_in_use: dict[int, int] = field(default_factory=dict)  # tier -> bytes
 
     @property

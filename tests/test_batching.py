@@ -388,36 +388,28 @@ def test_every_request_answered_once_under_concurrent_submits_cancels_and_deadli
     assert stats.counters.rejected["deadline_exceeded"] == outcomes.count("deadline")
 
 
+def _fail_once(obj, name: str, error: Exception) -> None:
+    """obj.name raises `error` on its next call only (then the real method is back)."""
+    real = getattr(obj, name)
+
+    def broken(*args, **kwargs):
+        setattr(obj, name, real)
+        raise error
+
+    setattr(obj, name, broken)
+
+
 def test_a_failing_step_answers_its_requests_and_the_worker_keeps_serving(family_folders):
     with _engine(family_folders["llama_gqa_llama3rope_untied"]) as engine:
-        real_prepare = engine.runner.prepare
-
-        def broken_prepare(plan):
-            engine.runner.prepare = real_prepare  # only this step fails
-            raise RuntimeError("cache exploded")
-
-        engine.runner.prepare = broken_prepare
+        _fail_once(engine.runner, "prepare", RuntimeError("cache exploded"))
         with pytest.raises(RuntimeError, match="cache exploded"):
             engine.submit([1, 2, 3], [5]).result(30)  # a dead worker would time out here
         assert engine.stats().counters.failed["RuntimeError"] == 1
-        real_pick = engine.scheduler.pick_step
-
-        def broken_pick(budget):
-            engine.scheduler.pick_step = real_pick  # only this plan fails
-            raise RuntimeError("scheduler exploded")
-
-        engine.scheduler.pick_step = broken_pick
+        _fail_once(engine.scheduler, "pick_step", RuntimeError("scheduler exploded"))
         with pytest.raises(RuntimeError, match="scheduler exploded"):
             engine.submit([1, 2, 4], [5]).result(30)
         assert engine.stats().counters.failed["RuntimeError"] == 2
-        executor = engine.executor
-        real_forward = executor.forward_batch
-
-        def broken_forward(batch, chunk, inplace=False):
-            executor.forward_batch = real_forward
-            raise RuntimeError("forward exploded")
-
-        executor.forward_batch = broken_forward
+        _fail_once(engine.executor, "forward_batch", RuntimeError("forward exploded"))
         prompt = list(range(40))  # two whole blocks: reserved, then released by the failure
         with pytest.raises(RuntimeError, match="forward exploded"):
             engine.submit(prompt, [5]).result(30)

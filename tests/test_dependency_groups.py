@@ -9,27 +9,12 @@ import random
 import pytest
 
 from prefillonly.cache.index import PrefixIndex
-from prefillonly.scheduler import IndexPrefixView, JctEstimator, Scheduler, StepBudget, TokenSplit, WaitingRequest
+from prefillonly.scheduler import IndexPrefixView, Scheduler, StepBudget, TokenSplit, WaitingRequest
 from prefillonly.scheduler.groups import shared_blocks
 
+from .test_scheduler import FakeClock, fitted_estimator
+
 BLOCK = 16
-
-
-class FakeClock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
-
-
-def fitted_estimator(per_token=1e-3, attention=1e-8, fixed=0.01):
-    est = JctEstimator()
-    rng = random.Random(0)
-    for _ in range(20):
-        u, c = rng.randrange(10, 4000), rng.randrange(0, 4000)
-        est.observe(u, c, fixed + per_token * u + attention * u * (u + 2 * c))
-    return est
 
 
 def make(policy, slots=1 << 14, **kw):

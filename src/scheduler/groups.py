@@ -48,12 +48,12 @@ def shared_blocks(a: list[bytes], b: list[bytes], start: int, stop: int) -> int:
 
 
 def group_costs(waiting: list[WaitingRequest], block_size: int, cached_blocks: Callable[[WaitingRequest], int],
-                own_cost: Callable[[WaitingRequest], float], predict: Callable[[TokenSplit], float],
+                estimate: Callable[[WaitingRequest], float], predict: Callable[[TokenSplit], float],
                 credit_s: Callable[[float], float]) -> dict[WaitingRequest, float]:
     """{leader: its group cost} for every group with followers (docstring above). cached_blocks(r):
-    r's leading blocks cached now; own_cost(r): r's plain CSJF cost (estimate - credit);
-    predict(split): the JCT estimate; credit_s(arrived): the starvation credit of a request that
-    arrived then."""
+    r's leading blocks cached now; estimate(r): r's JCT estimate against the cache now;
+    predict(split): the JCT estimate of a split; credit_s(arrived): the starvation credit of a
+    request that arrived then."""
     groups: dict[tuple[int, bytes], list[tuple[WaitingRequest, int]]] = defaultdict(list)
     for r in waiting:
         i = cached_blocks(r)
@@ -63,11 +63,11 @@ def group_costs(waiting: list[WaitingRequest], block_size: int, cached_blocks: C
     for members in groups.values():
         if len(members) < 2:
             continue
-        keepers = [(r, i) for r, i in members if r.kept_blocks > i]
+        keepers = [(estimate(r), r, i) for r, i in members if r.kept_blocks > i]
         if not keepers:
             continue  # nobody keeps the shared blocks: nobody waits for anybody
-        leader, i = min(keepers, key=lambda ri: (own_cost(ri[0]), ri[0].seq))
-        total = own_cost(leader) + credit_s(leader.arrived)  # its estimate
+        # the leader: the best plain CSJF rank (estimate - credit) among the keepers
+        total, leader, i = min(keepers, key=lambda eri: (eri[0] - credit_s(eri[1].arrived), eri[1].seq))
         followers, oldest = 0, leader.arrived
         for r, _ in members:
             if r is leader:

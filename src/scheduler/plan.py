@@ -89,7 +89,3 @@ class StepPlan(Generic[P]):
     @property
     def tokens(self) -> int:
         return sum(m.split.uncached for m in self.members)
-
-    @property
-    def requests(self) -> list[WaitingRequest[P]]:
-        return [m.request for m in self.members]

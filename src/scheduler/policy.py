@@ -74,35 +74,40 @@ class Scheduler:
         self._waiting.append(req)
 
     # -- estimates ---------------------------------------------------------------------------
-    def split(self, req: WaitingRequest) -> TokenSplit:
+    def split(self, req: WaitingRequest, cached_tokens: int | None = None) -> TokenSplit:
         """The request's tokens against the cache as it is now (at least one token is always
-        computed)."""
-        cached = min(self.prefix.cached_tokens(req), req.cache_tokens - 1)
+        computed); `cached_tokens`: the cache's answer if already asked during this pick."""
+        if cached_tokens is None:
+            cached_tokens = self.prefix.cached_tokens(req)
+        cached = min(cached_tokens, req.cache_tokens - 1)
         return TokenSplit(req.prompt_tokens - cached, cached)
 
-    def estimate(self, req: WaitingRequest) -> float:
-        return self.estimator.predict(*self.split(req))
+    def estimate(self, req: WaitingRequest, cached_tokens: int | None = None) -> float:
+        return self.estimator.predict(*self.split(req, cached_tokens))
 
     def credit_s(self, arrived: float, now: float) -> float:
         """CSJF's starvation credit of a request that arrived at `arrived`, in seconds."""
         return self.lambda_tokens_per_s * self.estimator.seconds_per_token * (now - arrived)
 
-    def cost(self, req: WaitingRequest, now: float) -> float:
+    def cost(self, req: WaitingRequest, now: float, cached_tokens: int | None = None) -> float:
         if self.policy == "fcfs":
             return float(req.seq)
         if self.policy == "sjf":
             return req.frozen_estimate_s
-        return self.estimate(req) - self.credit_s(req.arrived, now)
+        return self.estimate(req, cached_tokens) - self.credit_s(req.arrived, now)
 
     def order(self) -> list[WaitingRequest]:
         """Every waiting request in the policy's order (the next step is filled from the front)."""
         now = self.clock()
-        costs = {r: self.cost(r, now) for r in self._waiting}
-        if self.policy == "csjf" and self.block_size:
-            groups = group_costs(self._waiting, self.block_size, lambda r: self.prefix.cached_tokens(r) // self.block_size,
-                                 costs.__getitem__, lambda s: self.estimator.predict(*s), lambda t: self.credit_s(t, now))
-            for leader, group_cost in groups.items():
-                costs[leader] = min(costs[leader], group_cost)
+        if not (self.policy == "csjf" and self.block_size):
+            return sorted(self._waiting, key=lambda r: (-r.priority, self.cost(r, now), r.seq))
+        cached = {r: self.prefix.cached_tokens(r) for r in self._waiting}  # asked once per request per pick
+        costs = {r: self.cost(r, now, cached[r]) for r in self._waiting}
+        groups = group_costs(self._waiting, self.block_size, lambda r: cached[r] // self.block_size,
+                             lambda r: self.estimate(r, cached[r]), lambda s: self.estimator.predict(*s),
+                             lambda t: self.credit_s(t, now))
+        for leader, group_cost in groups.items():
+            costs[leader] = min(costs[leader], group_cost)
         return sorted(self._waiting, key=lambda r: (-r.priority, costs[r], r.seq))
 
     # -- the pick ----------------------------------------------------------------------------
