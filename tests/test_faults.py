@@ -96,11 +96,11 @@ def serve_options(repo, **kw) -> ServeOptions:
 
 
 @contextlib.contextmanager
-def supervised(folder, model):
-    """The serve stack as `scripts/serve.sh` runs it (Envoy + supervised Triton, its watchdog
-    running), on the small model."""
+def supervised(folder, model, probe_interval_s: float = 1.0):
+    """The serve stack as `scripts/serve.sh` runs it (Envoy + supervised Triton and the scoring
+    frontend, its watchdog running), on the small model."""
     repo = copy_model_repository(REPO, folder / "repo", models=("prefillonly",), model=model, dtype="float32", threads="1")
-    sup = Supervisor(serve_options(repo, probe_interval_s=1.0, probe_timeout_s=60), say=lambda m: None)
+    sup = Supervisor(serve_options(repo, probe_interval_s=probe_interval_s, probe_timeout_s=60), say=lambda m: None)
     stop = threading.Event()
     try:
         assert sup.start(stop)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from .envoy import DEFAULT_MAX_REQUEST_BYTES, ProxyError
+from .frontend_process import FrontendError
 from .probe import probe
 from .server_tree import TRITON_SERVER_VERSION, ServerError
 from .supervisor import ServeOptions, Supervisor
@@ -28,12 +29,19 @@ prefillonly ready: tritonserver {version} (pid {pid}) serving {repo}{behind}
 Score over HTTP (decoupled model: use generate, not infer):
   curl -s {http}/v2/models/prefillonly/generate -H 'Content-Type: application/json' \\
        -d '{{"text_input": "Is the sky blue on a clear day? Answer Yes or No. Answer:", "allowed_tokens": [" Yes", " No"]}}'
-gRPC (decoupled models need the bidirectional stream):
+{apis}gRPC (decoupled models need the bidirectional stream):
   import tritonclient.grpc as g; c = g.InferenceServerClient("{grpc}")
   c.start_stream(callback=lambda result, error: ...); c.async_stream_infer("prefillonly", inputs)
 perf_analyzer (from a checkout): python -m perf.perf_analyzer -- -m prefillonly -u {grpc} -i grpc --streaming ...
 Liveness: python -m prefillonly.serving probe --url {http}
 Ctrl-C (SIGINT) or SIGTERM stops the server (waiting requests are answered engine_closed first).
+"""
+
+
+SCORING_APIS_HINT = """\
+Scoring APIs (Cohere / Jina / vLLM / TEI rerank, SGLang / vLLM score, OpenAI completions; models: GET {http}/v1/models):
+  curl -s {http}/v1/rerank -H 'Content-Type: application/json' \\
+       -d '{{"model": "qwen3-reranker", "query": "capital of France", "documents": ["Paris is the capital of France.", "Berlin is in Germany."]}}'
 """
 
 
@@ -55,7 +63,8 @@ def _follow(path: Path, stop: threading.Event, out=sys.stderr) -> None:
 def _serve(a: argparse.Namespace) -> int:
     options = ServeOptions(
         model_repository=str(Path(a.model_repository).resolve()), host=a.host, http_port=a.http_port,
-        grpc_port=a.grpc_port, metrics_port=a.metrics_port, proxy=not a.no_proxy, max_request_bytes=a.max_request_bytes,
+        grpc_port=a.grpc_port, metrics_port=a.metrics_port, proxy=not a.no_proxy, frontend=not a.no_frontend,
+        max_request_bytes=a.max_request_bytes,
         probe_interval_s=a.probe_interval, probe_timeout_s=a.probe_timeout, ready_timeout_s=a.ready_timeout,
         exit_timeout_secs=a.exit_timeout_secs, admin_key=a.admin_key or os.environ.get("PREFILLONLY_ADMIN_KEY"),
         open_admin_api=a.open_admin_api, log_path=a.log_file, log_verbose=a.log_verbose, cache_dir=a.cache_dir,
@@ -73,7 +82,7 @@ def _serve(a: argparse.Namespace) -> int:
                   file=sys.stderr, flush=True)
             stop.set()
         else:
-            for part in (supervisor.server, supervisor.proxy):
+            for part in (supervisor.server, supervisor.proxy, supervisor.frontend):
                 if part is not None:
                     part.send_signal(signal.SIGKILL)
 
@@ -92,12 +101,14 @@ def _serve(a: argparse.Namespace) -> int:
             admin = ("admin APIs (" + ", ".join(ADMIN_APIS) + ") open to anyone (--open-admin-api)" if options.open_admin_api
                      else f"admin APIs ({', '.join(ADMIN_APIS)}) need header {ADMIN_KEY_HEADER}: "
                           + ("the --admin-key value" if options.admin_key else "a random key (set --admin-key to use them)"))
+            apis = SCORING_APIS_HINT
             behind = f" behind Envoy (bodies up to {options.max_request_bytes:,} bytes)" if options.proxy else ""
             print("\n" + USAGE_HINT.format(version=TRITON_SERVER_VERSION, pid=supervisor.server.pid, repo=options.model_repository,
                                            behind=behind, http=supervisor.http_url, grpc=supervisor.grpc_url,
-                                           metrics=supervisor.metrics_url, admin=admin), flush=True)
+                                           metrics=supervisor.metrics_url, admin=admin, apis=apis.format(http=supervisor.http_url)
+                                           if supervisor.frontend is not None else ""), flush=True)
             supervisor.watch(stop)
-    except (ServerError, ProxyError) as e:
+    except (ServerError, ProxyError, FrontendError) as e:
         print(f"prefillonly.serving: {e}", file=sys.stderr)
         rc = 1
     finally:
@@ -128,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="bind address of the HTTP, gRPC and metrics ports (default 127.0.0.1; 0.0.0.0 for all interfaces)")
     s.add_argument("--no-proxy", action="store_true",
                    help="no Envoy in front: Triton binds the ports itself (unsafe: see README 'Reliability and security')")
+    s.add_argument("--no-frontend", action="store_true",
+                   help="no scoring-API frontend (rerank, score, completions routes); Triton's own routes only")
     s.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help=f"largest HTTP request body the front door passes on (default {DEFAULT_MAX_REQUEST_BYTES:,})")
     s.add_argument("--probe-interval", type=float, default=5.0, help="seconds between liveness probes (default 5)")

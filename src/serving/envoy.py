@@ -48,7 +48,6 @@ import ipaddress
 import json
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -77,6 +76,10 @@ _CIRCUIT_BREAKER_LIMIT = 100_000
 _CONNECT_TIMEOUT = "2s"
 _UPSTREAM_IDLE_TIMEOUT = "60s"  # idle pooled connections to Triton are closed after this
 _HEALTH_PATH = "/v2/health/ready"
+FRONTEND_HEALTH_PATH = "/health"  # the frontend's: 200 while its engine is ready
+# the scoring APIs (prefillonly.frontend) on the HTTP listener; everything else goes to Triton.
+# /v1/ is whole (Triton has no /v1 routes), so an unknown /v1 path gets the frontend's JSON 404.
+FRONTEND_ROUTES = ({"prefix": "/v1/"}, {"path": "/v2/rerank"}, {"path": "/rerank"}, {"path": "/generative_scoring"})
 
 TOO_LARGE_MESSAGE = ("invalid_request: the request body is over the limit of {max_request_bytes} bytes "
                      "(max_request_bytes of the front door)")
@@ -92,10 +95,12 @@ class ProxyError(RuntimeError):
 
 @dataclass
 class Upstream:
-    """One tritonserver replica: its host (IP literal or DNS name) and HTTP / gRPC ports."""
+    """One tritonserver replica: its host (IP literal or DNS name) and HTTP / gRPC ports, and the
+    port of its scoring-API frontend (prefillonly.frontend), if it runs one."""
     host: str
     http_port: int
     grpc_port: int
+    frontend_port: int | None = None
 
 
 @dataclass
@@ -168,7 +173,7 @@ def _socket_address(host: str, port: int) -> dict:
     return {"socket_address": {"address": host, "port_value": int(port)}}
 
 
-def _health_check(front: FrontDoor, grpc: bool) -> dict:
+def _health_check(front: FrontDoor, grpc: bool, path: str = _HEALTH_PATH) -> dict:
     interval = _duration(front.health_check_interval_s)
     check = {
         # generous: Triton answers health from C++ threads, but a host saturated by the engine can
@@ -190,18 +195,19 @@ def _health_check(front: FrontDoor, grpc: bool) -> dict:
         # the gRPC port, which has no /v2/health/ready.
         check["grpc_health_check"] = {}
     else:
-        check["http_health_check"] = {"path": _HEALTH_PATH}
+        check["http_health_check"] = {"path": path}
     return check
 
 
-def cluster_config(name: str, upstreams: list[Upstream], *, grpc: bool, front: FrontDoor, lb_policy: str = "LEAST_REQUEST") -> dict:
-    """The Envoy cluster of Triton's HTTP (grpc=False) or gRPC (grpc=True) ports of `upstreams`,
-    balanced by `lb_policy` (LEAST_REQUEST, ROUND_ROBIN, RANDOM, or RING_HASH / MAGLEV with the
-    front door's bounded load)."""
+def cluster_config(name: str, upstreams: list[Upstream], *, grpc: bool, front: FrontDoor, lb_policy: str = "LEAST_REQUEST",
+                   frontend: bool = False) -> dict:
+    """The Envoy cluster of Triton's HTTP (grpc=False) or gRPC (grpc=True) ports of `upstreams`
+    (frontend=True: their scoring-API frontends' ports, HTTP), balanced by `lb_policy`
+    (LEAST_REQUEST, ROUND_ROBIN, RANDOM, or RING_HASH / MAGLEV with the front door's bounded load)."""
     if not upstreams:
         raise ValueError("a front door needs at least one upstream")
-    endpoints = [{"endpoint": {"address": _socket_address(u.host, u.grpc_port if grpc else u.http_port)}}
-                 for u in upstreams]
+    port = (lambda u: u.frontend_port) if frontend else (lambda u: u.grpc_port if grpc else u.http_port)
+    endpoints = [{"endpoint": {"address": _socket_address(u.host, port(u))}} for u in upstreams]
     protocol = {"http2_protocol_options": {}} if grpc else {"http_protocol_options": {}}
     common_lb = {
         # Envoy's default panic threshold (50 %) sends traffic to every host, failed health checks
@@ -224,7 +230,7 @@ def cluster_config(name: str, upstreams: list[Upstream], *, grpc: bool, front: F
             "max_pending_requests": _CIRCUIT_BREAKER_LIMIT, "max_requests": _CIRCUIT_BREAKER_LIMIT,
             "max_retries": _CIRCUIT_BREAKER_LIMIT}]},
         "common_lb_config": common_lb,
-        "health_checks": [_health_check(front, grpc)],
+        "health_checks": [_health_check(front, grpc, FRONTEND_HEALTH_PATH if frontend else _HEALTH_PATH)],
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
@@ -261,15 +267,16 @@ def _is_fleet(front: FrontDoor) -> bool:
     return front.fleet if front.fleet is not None else len(front.upstreams) > 1
 
 
-def _clusters(prefix: str, front: FrontDoor, grpc: bool) -> list[dict]:
-    """The clusters one listener routes to: the affinity one first (when routing is affinity),
-    then the one for everything else."""
+def _clusters(prefix: str, front: FrontDoor, grpc: bool, frontend: bool = False) -> list[dict]:
+    """The clusters one listener routes to (or its scoring APIs, frontend=True): the affinity one
+    first (when routing is affinity), then the one for everything else."""
     fallback = {"affinity": "LEAST_REQUEST", "least_request": "LEAST_REQUEST", "round_robin": "ROUND_ROBIN",
                 "random": "RANDOM"}[front.routing]
     out = []
     if front.routing == "affinity" and _is_fleet(front):  # one replica: nothing to choose
-        out.append(cluster_config(f"{prefix}_affinity", front.upstreams, grpc=grpc, front=front, lb_policy=front.affinity_lb))
-    out.append(cluster_config(prefix, front.upstreams, grpc=grpc, front=front, lb_policy=fallback))
+        out.append(cluster_config(f"{prefix}_affinity", front.upstreams, grpc=grpc, front=front, lb_policy=front.affinity_lb,
+                                  frontend=frontend))
+    out.append(cluster_config(prefix, front.upstreams, grpc=grpc, front=front, lb_policy=fallback, frontend=frontend))
     return out
 
 
@@ -283,7 +290,8 @@ def _retry_policy(front: FrontDoor, grpc: bool) -> dict:
     }
 
 
-def _routes(clusters: list[dict], front: FrontDoor, grpc: bool) -> list[dict]:
+def _routes(clusters: list[dict], front: FrontDoor, grpc: bool, frontend_clusters: list[dict] = ()) -> list[dict]:
+    """Triton's routes; on the HTTP listener with frontends, the scoring API paths first, to them."""
     def route(cluster: str, hashed: bool) -> dict:
         # no route timeout: a scoring request can run for minutes on CPU, and a gRPC stream
         # lives as long as its client keeps it; the engine's queue bounds the work, not Envoy
@@ -292,12 +300,16 @@ def _routes(clusters: list[dict], front: FrontDoor, grpc: bool) -> list[dict]:
             action["hash_policy"] = [{"header": {"header_name": USER_HEADER}}]
         return action
 
-    out = []
-    if len(clusters) == 2:  # affinity: only requests that name their user are hashed
-        out.append({"match": {"prefix": "/", "headers": [{"name": USER_HEADER, "present_match": True}]},
-                    "route": route(clusters[0]["name"], True)})
-    out.append({"match": {"prefix": "/"}, "route": route(clusters[-1]["name"], False)})
-    return out
+    def to(match: dict, clusters: list[dict]) -> list[dict]:
+        out = []
+        if len(clusters) == 2:  # affinity: only requests that name their user are hashed
+            out.append({"match": dict(match, headers=[{"name": USER_HEADER, "present_match": True}]),
+                        "route": route(clusters[0]["name"], True)})
+        out.append({"match": match, "route": route(clusters[-1]["name"], False)})
+        return out
+
+    out = [r for match in (FRONTEND_ROUTES if frontend_clusters else ()) for r in to(match, frontend_clusters)]
+    return out + to({"prefix": "/"}, clusters)
 
 
 def _local_reply_config(front: FrontDoor, json_body: bool) -> dict:
@@ -320,7 +332,8 @@ def _local_reply_config(front: FrontDoor, json_body: bool) -> dict:
     return config
 
 
-def _connection_manager(name: str, clusters: list[dict], *, grpc: bool, front: FrontDoor) -> dict:
+def _connection_manager(name: str, clusters: list[dict], *, grpc: bool, front: FrontDoor,
+                        frontend_clusters: list[dict] = ()) -> dict:
     hcm = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": name,
@@ -332,7 +345,7 @@ def _connection_manager(name: str, clusters: list[dict], *, grpc: bool, front: F
             # which replica answered (debugging affinity, and the fleet tests read it)
             "response_headers_to_add": [{"header": {"key": REPLICA_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"},
                                          "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
-            "virtual_hosts": [{"name": name, "domains": ["*"], "routes": _routes(clusters, front, grpc)}],
+            "virtual_hosts": [{"name": name, "domains": ["*"], "routes": _routes(clusters, front, grpc, frontend_clusters)}],
         },
         # stream_idle_timeout disabled on both listeners: a request being scored is silent (no bytes
         # either way) for as long as the scoring takes, and a gRPC stream is silent between requests.
@@ -373,14 +386,19 @@ def envoy_config(front: FrontDoor) -> dict:
     if front.max_request_bytes <= 0:
         raise ValueError(f"max_request_bytes must be positive, not {front.max_request_bytes}")
     http_clusters, grpc_clusters = _clusters("triton_http", front, grpc=False), _clusters("triton_grpc", front, grpc=True)
+    with_frontend = [u.frontend_port is not None for u in front.upstreams]
+    if any(with_frontend) and not all(with_frontend):
+        raise ValueError("either every upstream runs a scoring-API frontend (frontend_port) or none does")
+    frontend_clusters = _clusters("frontend_http", front, grpc=False, frontend=True) if all(with_frontend) else []
     return {
         "admin": {"address": _socket_address("127.0.0.1", front.admin_port)},
         "static_resources": {
             "listeners": [
-                _listener("http", front.host, front.http_port, _connection_manager("http", http_clusters, grpc=False, front=front)),
+                _listener("http", front.host, front.http_port,
+                          _connection_manager("http", http_clusters, grpc=False, front=front, frontend_clusters=frontend_clusters)),
                 _listener("grpc", front.host, front.grpc_port, _connection_manager("grpc", grpc_clusters, grpc=True, front=front)),
             ],
-            "clusters": http_clusters + grpc_clusters,
+            "clusters": http_clusters + grpc_clusters + frontend_clusters,
         },
     }
 
@@ -470,13 +488,7 @@ class EnvoyProxy(LoggedProcess):
         Returns the exit status (None if never started). Idempotent."""
         if self.process is None:
             return None
-        if self.process.poll() is None:
-            self.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.send_signal(signal.SIGKILL)
-                self.process.wait(10)
+        self._terminate(timeout)
         self._cleanup()
         return self.process.returncode
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import signal
 import subprocess
 import tempfile
 import threading
@@ -160,6 +161,16 @@ class LoggedProcess:
                 raise self.error(f"{self.name} not ready after {timeout:.0f} s (still running, pid {self.pid}{hint})"
                                  f"\n--- log tail ---\n{self.log_tail()}")
             time.sleep(step)
+
+    def _terminate(self, timeout: float) -> None:
+        """SIGTERM to the group, SIGKILL after `timeout` seconds; returns once the process is gone."""
+        if self.process.poll() is None:
+            self.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.send_signal(signal.SIGKILL)
+                self.process.wait(10)
 
     def log_tail(self, max_bytes: int = 8000) -> str:
         """The end of the output (kept after release removed a temporary log)."""

@@ -10,6 +10,8 @@ Inputs (all optional except a prompt and the allowed tokens):
   allowed_tokens        BYTES [k]   allowed outputs as strings (" Yes": mind the space)
   allowed_token_ids     INT64 [k]   allowed outputs as ids (with or instead of the strings)
   items                 BYTES [m]   multi-item: score prompt + item_i for each item
+  item_ids, item_lengths  INT64 [t], INT64 [m]   multi-item with items as token ids: the items'
+                        ids back to back, and each item's length (instead of items)
   item_template         BYTES [1]   e.g. "\\nPost: {item}\\nAnswer:"
   cache_prefix_len, top_k, priority   INT64 [1]
   apply_chat_template   BOOL [1]
@@ -38,7 +40,7 @@ from ..result import ScoreResult
 
 INPUTS = {
     "text_input": "BYTES", "input_ids": "INT64", "allowed_tokens": "BYTES", "allowed_token_ids": "INT64",
-    "items": "BYTES", "item_template": "BYTES", "cache_prefix_len": "INT64", "top_k": "INT64", "priority": "INT64",
+    "items": "BYTES", "item_ids": "INT64", "item_lengths": "INT64", "item_template": "BYTES", "cache_prefix_len": "INT64", "top_k": "INT64", "priority": "INT64",
     "apply_chat_template": "BOOL", "user": "BYTES",
 }
 
@@ -110,19 +112,44 @@ def parse_request(tensors: dict[str, np.ndarray], limits: RequestLimits | None =
         options["apply_chat_template"] = bool(_scalar(tensors["apply_chat_template"], "apply_chat_template"))
     if "user" in tensors:
         options["user"] = _text(_scalar(tensors["user"], "user"), "user")
-    items = None
-    if "items" in tensors:
-        item_texts = _flat(tensors["items"])
-        if limits is not None:
-            limits.check_count(len(item_texts), "items", "max_items")
-        items = [_text(x, "items", limits) for x in item_texts]
+    items = _items(tensors, limits)
+    if items is not None:
         if len(prompts) != 1:
             raise InvalidRequestError("items need exactly one shared prompt, got several text_input values")
         if "item_template" in tensors:
+            if "items" not in tensors:
+                raise InvalidRequestError("item_template applies to text items, not to item_ids")
             options["item_template"] = _text(_scalar(tensors["item_template"], "item_template"), "item_template", limits)
     elif "item_template" in tensors:
         raise InvalidRequestError("item_template given without items")
     return ScoreCall(prompts=prompts, allowed=allowed, items=items, options=options)
+
+
+def _items(tensors: dict[str, np.ndarray], limits: RequestLimits | None) -> list | None:
+    """The items of a multi-item request: texts (`items`) or token-id lists (`item_ids` cut by
+    `item_lengths`); None when the request has none."""
+    has_ids = "item_ids" in tensors or "item_lengths" in tensors
+    if "items" in tensors and has_ids:
+        raise InvalidRequestError("give items (texts) or item_ids with item_lengths (token ids), not both")
+    if "items" in tensors:
+        item_texts = _flat(tensors["items"])
+        if limits is not None:
+            limits.check_count(len(item_texts), "items", "max_items")
+        return [_text(x, "items", limits) for x in item_texts]
+    if not has_ids:
+        return None
+    if "item_ids" not in tensors or "item_lengths" not in tensors:
+        raise InvalidRequestError("item_ids and item_lengths go together: the items' ids back to back and each item's length")
+    lengths = _ints(tensors["item_lengths"], "item_lengths")
+    if limits is not None:
+        limits.check_count(len(lengths), "items", "max_items")
+    ids = _ints(tensors["item_ids"], "item_ids")
+    if any(n <= 0 for n in lengths):
+        raise InvalidRequestError(f"item_lengths must be positive (item {next(i for i, n in enumerate(lengths) if n <= 0)} is not)")
+    if sum(lengths) != len(ids):
+        raise InvalidRequestError(f"item_lengths add up to {sum(lengths)} but item_ids has {len(ids)} ids")
+    ends = np.cumsum(lengths).tolist()
+    return [ids[end - n:end] for n, end in zip(lengths, ends)]
 
 
 def results_to_outputs(results: list[ScoreResult]) -> dict[str, np.ndarray]:

@@ -3,6 +3,8 @@
     client -> Envoy (host:http_port, host:grpc_port; body limit, header stripping)
            -> tritonserver (127.0.0.1, internal ports; metrics on host:metrics_port)
            -> the prefillonly model's engine (a Python backend stub process)
+    client -> Envoy (host:http_port: /v1/..., /v2/rerank, /rerank, /generative_scoring)
+           -> the scoring-API frontend (prefillonly.frontend, 127.0.0.1) -> Triton's gRPC
 
 The watchdog restarts tritonserver (a process restart: the model reload API would need the
 repository API open, and a dead stub's requests are only released when Triton goes) when
@@ -10,7 +12,7 @@ repository API open, and a dead stub's requests are only released when Triton go
   - a Python backend stub process dies (checked every WATCH_INTERVAL_S), or
   - a liveness probe (prefillonly.serving.probe: a real 1-token inference) gets no engine answer
     within probe_timeout_s (a wedged engine);
-and restarts Envoy if it exits.
+and restarts Envoy or the frontend if either exits.
 Killing Triton closes every connection it holds, so each in-flight request of the dead engine
 gets a final error (HTTP 503 `unavailable: ...` from Envoy, gRPC UNAVAILABLE) instead of silence.
 While Triton is down, Envoy answers 503 `unavailable`, readiness included.
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 
 from .addresses import free_ports
 from .envoy import DEFAULT_MAX_REQUEST_BYTES, EnvoyProxy, FrontDoor, Upstream
+from .frontend_process import FrontendProcess
 from .probe import probe
 from .process import process_alive
 from .server_tree import ServerError
@@ -47,6 +50,7 @@ class ServeOptions:
     grpc_port: int = 8001
     metrics_port: int = 8002
     proxy: bool = True  # Envoy in front (the safe default); False: Triton on host's ports directly
+    frontend: bool = True  # the scoring APIs (rerank, score, completions) behind Envoy; needs proxy
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     probe_interval_s: float = 5.0
     probe_timeout_s: float = 120.0  # the probe waits for the running request: longer than any one forward
@@ -67,6 +71,7 @@ class Supervisor:
         self.say = say or (lambda msg: print(f"prefillonly.serving: {msg}", file=sys.stderr, flush=True))
         self.server: TritonServer | None = None
         self.proxy: EnvoyProxy | None = None
+        self.frontend: FrontendProcess | None = None
         self.restarts = 0
         self._internal_ports: list[int] | None = None
         self._stub_pids: list[int] = []
@@ -95,20 +100,31 @@ class Supervisor:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self, stop: threading.Event | None = None) -> bool:
-        """Triton, then Envoy in front of it; False if `stop` was set while waiting."""
+        """Triton (and the frontend, which loads meanwhile), then Envoy in front of them; False if
+        `stop` was set while waiting."""
         o = self.options
         if o.proxy:
             self._internal_ports = free_ports(2, "127.0.0.1")
+            if o.frontend:
+                self._start_frontend()
         if not self._start_server(stop):
             return False
+        if self.frontend is not None:
+            self.frontend.wait_ready(o.ready_timeout_s)
         if o.proxy:
             self._start_proxy()
         return True
 
+    def _start_frontend(self) -> None:
+        grpc_port = self._internal_ports[1]
+        self.frontend = FrontendProcess(self.options.model_repository, f"127.0.0.1:{grpc_port}",
+                                        log_path=self.options.log_path).start()
+
     def _start_proxy(self) -> None:
         o = self.options
-        front = FrontDoor(upstreams=[Upstream("127.0.0.1", self.server.http_port, self.server.grpc_port)], host=o.host,
-                          http_port=o.http_port, grpc_port=o.grpc_port, max_request_bytes=o.max_request_bytes)
+        frontend_port = self.frontend.port if self.frontend is not None else None
+        front = FrontDoor(upstreams=[Upstream("127.0.0.1", self.server.http_port, self.server.grpc_port, frontend_port)],
+                          host=o.host, http_port=o.http_port, grpc_port=o.grpc_port, max_request_bytes=o.max_request_bytes)
         self.proxy = EnvoyProxy(front).start()
         self.proxy.wait_ready(60)
 
@@ -145,6 +161,11 @@ class Supervisor:
         dead = [pid for pid in self._stub_pids if not process_alive(pid)]
         if dead:
             return f"the engine's process (Python backend stub, pid {', '.join(map(str, dead))}) died"
+        if self.frontend is not None and self.frontend.poll() is not None:
+            self.say(f"the scoring-API frontend exited with status {self.frontend.poll()}: restarting it")
+            self.frontend.stop()
+            self._start_frontend()
+            self.frontend.wait_ready(self.options.ready_timeout_s)
         if self.proxy is not None and self.proxy.poll() is not None:
             self.say(f"envoy exited with status {self.proxy.poll()}: restarting it\n{self.proxy.log_tail(2000)}")
             self.proxy.stop()
@@ -200,6 +221,8 @@ class Supervisor:
                 self.say(f"the running request did not finish within {self.options.exit_timeout_secs} s; stopping anyway")
         if self.proxy is not None:
             self.proxy.stop()
+        if self.frontend is not None:
+            self.frontend.stop()
         if self.server is not None:
             rc = self.server.stop(timeout=timeout if timeout is not None else 30, drain_timeout=0)
         if self._own_log:

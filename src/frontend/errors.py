@@ -1,0 +1,59 @@
+"""Refusals in each API's own error shape, chosen by the route that was called.
+
+    openai   {"error": {"message", "type", "param", "code"}}   /v1/completions, /v1/models, /v1/rerank,
+                                                               /rerank, /v1/score, /generative_scoring
+    cohere   {"message": "..."}                                /v2/rerank
+    tei      {"error": "...", "error_type": "Validation"}      /rerank with a TEI body (422 for bad input)
+
+Every message starts with the engine's code ("invalid_request: ...", "overloaded: ...") as on
+Triton's own routes. Bad input is 400 (TEI: 422), not-now (overloaded, unavailable, restarting)
+is 503, anything else 500.
+"""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+from .upstream import UpstreamError
+
+
+class APIError(Exception):
+    def __init__(self, message: str, *, status: int = 400, code: str = "invalid_request", param: str | None = None):
+        super().__init__(message)
+        self.status, self.code, self.param = status, code, param
+        self.message = message if message.startswith(code + ":") else f"{code}: {message}"
+
+    @classmethod
+    def from_upstream(cls, e: UpstreamError) -> "APIError":
+        status = 503 if e.retry_later else 500 if e.code == "internal" else 400
+        return cls(e.message, status=status, code=e.code)
+
+
+_OPENAI_TYPES = {400: "BadRequestError", 404: "NotFoundError", 422: "BadRequestError", 503: "ServiceUnavailableError",
+                 500: "InternalServerError"}
+
+
+def error_response(style: str, error: APIError) -> JSONResponse:
+    if style == "cohere":
+        return JSONResponse({"message": error.message}, status_code=error.status)
+    if style == "tei":
+        status = 422 if error.status == 400 else error.status
+        kind = {422: "Validation", 503: "Overloaded"}.get(status, "Backend")
+        return JSONResponse({"error": error.message, "error_type": kind}, status_code=status)
+    body = {"message": error.message, "type": _OPENAI_TYPES.get(error.status, "BadRequestError"), "param": error.param,
+            "code": error.status}
+    return JSONResponse({"error": body}, status_code=error.status)
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """Pydantic's errors as one message naming each field ("documents[3]: Input should be ...")."""
+    parts, first = [], None
+    for e in errors[:5]:
+        loc = [x for x in e.get("loc", ()) if x != "body"]
+        # a union's branch names (str, TextDocument, list[int]) are pydantic's, not the user's
+        loc = [x for x in loc if not (isinstance(x, str) and (x[:1].isupper() or "[" in x or x in ("str", "int")))]
+        name = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".") or "body"
+        first = first or name
+        parts.append(f"{name}: {e.get('msg', 'invalid')}")
+    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+    return "; ".join(dict.fromkeys(parts)) + more, first

@@ -1,0 +1,166 @@
+"""What every scoring route does between its HTTP shape and the engine: pick the preset, render
+token ids, check the bounds, call the engine (one multi-item request per query), return plain
+per-document numbers. The routes (routes.py) only translate shapes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass
+
+from .errors import APIError
+from .presets import QUERY, DOCUMENT, Rendered, ScoringPreset, TemplateTokenizer
+from .upstream import TritonUpstream, UpstreamError
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_documents: int = 256  # the engine's max_items: one query's documents in one request
+    max_prompts: int = 64  # completions / item_first prompts per call (the engine's max_prompts_per_request)
+    max_logprobs: int = 20
+
+
+@dataclass
+class DocumentScore:
+    index: int
+    labels: list[dict]  # the labels' {id, text, logprob (full vocabulary), prob (renormalised)}
+
+
+@dataclass
+class Scored:
+    scores: list[DocumentScore]  # in document order
+    prompt_tokens: int  # tokens in the request (the shared prompt once, every item)
+    cached_tokens: int  # of those, read from the prefix cache
+
+
+class Scoring:
+    def __init__(self, tokens: TemplateTokenizer, presets: dict[str, ScoringPreset], upstream: TritonUpstream,
+                 base_model: str = "prefillonly", limits: Limits = Limits()):
+        self.tokens = tokens
+        self.presets = presets
+        self.upstream = upstream
+        self.base_model = base_model  # the raw model: completions, and score routes without a template
+        self.limits = limits
+        self._raw = ScoringPreset(name=base_model, template=QUERY + DOCUMENT, labels=(), label_ids=())
+
+    # -- models -----------------------------------------------------------------------------
+    def model_names(self) -> list[str]:
+        return [self.base_model] + list(self.presets)
+
+    def preset(self, model: str | None, *, for_rerank: bool) -> ScoringPreset:
+        """The preset a request names; for_rerank: the raw model is not a reranker (no labels)."""
+        if model is None:
+            return next(iter(self.presets.values())) if for_rerank else self._raw
+        if model in self.presets:
+            return self.presets[model]
+        if model == self.base_model and not for_rerank:
+            return self._raw
+        names = list(self.presets) if for_rerank else self.model_names()
+        raise APIError(f"model {model!r} is not served here; choose one of {', '.join(names)} (GET /v1/models)",
+                       param="model", status=404 if not for_rerank else 400)
+
+    def check_model(self, model: str) -> None:
+        if model not in self.model_names():
+            raise APIError(f"model {model!r} is not served here; choose one of {', '.join(self.model_names())}",
+                           param="model", status=404)
+
+    # -- rerank and score ---------------------------------------------------------------------
+    async def rerank(self, preset: ScoringPreset, query: str, documents: list[str], *, instruction: str | None,
+                     max_tokens_per_doc: int | None, truncate: str | None, user: str | None, priority: int = 0) -> Scored:
+        if instruction is not None and "{instruction}" not in preset.template:
+            raise APIError(f"model {preset.name!r} takes no instruction (its template has no {{instruction}})", param="instruction")
+        self._check_documents(len(documents), "documents")
+        rendered = await asyncio.to_thread(self.tokens.render, preset, query, documents, instruction=instruction,
+                                           max_tokens_per_doc=max_tokens_per_doc, truncate=truncate)
+        return await self._items(rendered, list(preset.label_ids), user, priority)
+
+    async def score(self, preset: ScoringPreset, query, items: list, label_ids: list[int], *, item_first: bool,
+                    user: str | None) -> Scored:
+        """SGLang / vLLM generative scoring: text or token ids, the preset's template for text."""
+        self._check_documents(len(items), "items")
+        if len(set(label_ids)) != len(label_ids):
+            raise APIError("label_token_ids has duplicates; list each token once", param="label_token_ids")
+        ids_in = not isinstance(query, str)
+        if ids_in != all(not isinstance(x, str) for x in items):
+            raise APIError("query and items must both be text or both be token ids", param="items")
+        if (ids_in or item_first) and not preset.raw:
+            raise APIError(f"model {preset.name!r} applies a template to text; token ids and item_first need the raw "
+                           f"model {self.base_model!r}", param="model")
+        if item_first:
+            self._check_prompts(len(items), "items with item_first")
+            prompts = ([list(x) + list(query) for x in items] if ids_in else
+                       await asyncio.to_thread(lambda: [self.tokens.encode(x + query, first=True) for x in items]))
+            for i, p in enumerate(prompts):
+                self._check_length(len(p), f"items[{i}]")
+            results = await self._call(self.upstream.score_prompts(prompts, label_ids, user=user))
+            return Scored([DocumentScore(i, r["tokens"]) for i, r in enumerate(results)],
+                          sum(r["prompt_tokens"] for r in results), sum(r["cached_tokens"] for r in results))
+        if ids_in:
+            if not query or any(not x for x in items):
+                raise APIError("query and every item need at least one token id", param="items")
+            for i, x in enumerate(items):
+                self._check_length(len(query) + len(x), f"items[{i}]")
+            rendered = Rendered(shared=list(query), items=[list(x) for x in items], truncated=[])
+        else:
+            rendered = await asyncio.to_thread(self.tokens.render, preset, query, items)
+        return await self._items(rendered, label_ids, user, 0)
+
+    async def _items(self, rendered: Rendered, label_ids: list[int], user: str | None, priority: int) -> Scored:
+        results = await self._call(self.upstream.score_items(rendered.shared, rendered.items, label_ids, user=user,
+                                                             priority=priority))
+        return Scored([DocumentScore(i, r["tokens"]) for i, r in enumerate(results)],
+                      len(rendered.shared) + sum(map(len, rendered.items)), results[0]["cached_tokens"] if results else 0)
+
+    # -- completions ----------------------------------------------------------------------------
+    async def complete(self, prompts: list, allowed_ids: list[int] | None, top_k: int, user: str | None) -> list[dict]:
+        """One ScoreResult dict per prompt. Without allowed ids the chosen token is the argmax of
+        the whole vocabulary: the engine is asked for its top_k (>= 1) and any allowed id."""
+        self._check_prompts(len(prompts), "prompts")
+        if allowed_ids is not None and len(set(allowed_ids)) != len(allowed_ids):
+            raise APIError("allowed_token_ids has duplicates", param="allowed_token_ids")
+        ids = await asyncio.to_thread(lambda: [self.tokens.encode(p, first=True) if isinstance(p, str) else list(p)
+                                               for p in prompts])
+        for i, p in enumerate(ids):
+            if not p:
+                raise APIError(f"prompt[{i}] is empty", param="prompt")
+            self._check_length(len(p), f"prompt[{i}]")
+        return await self._call(self.upstream.score_prompts(ids, allowed_ids or [0], user=user, top_k=top_k))
+
+    # -- bounds ---------------------------------------------------------------------------------
+    def _check_documents(self, n: int, name: str) -> None:
+        if n == 0:
+            raise APIError(f"{name} is empty; give at least one", param=name)
+        if n > self.limits.max_documents:
+            raise APIError(f"too many {name}: {n} (max_items is {self.limits.max_documents} per request); split the call",
+                           param=name)
+
+    def _check_prompts(self, n: int, name: str) -> None:
+        if n > self.limits.max_prompts:
+            raise APIError(f"too many {name}: {n} (max_prompts_per_request is {self.limits.max_prompts}); split the call",
+                           param=name)
+
+    def _check_length(self, n: int, name: str) -> None:
+        if n > self.tokens.max_input_len:
+            raise APIError(f"{name} has {n} tokens, over the model's input length of {self.tokens.max_input_len}",
+                           code="prompt_too_long", param=name.split("[")[0])
+
+    @staticmethod
+    async def _call(coro):
+        try:
+            return await coro
+        except UpstreamError as e:
+            raise APIError.from_upstream(e) from None
+
+
+def relevance(score: DocumentScore) -> float:
+    """P(first label) renormalised over the preset's labels."""
+    return score.labels[0]["prob"]
+
+
+def log_odds(score: DocumentScore) -> float:
+    """TEI's raw score: log(p / (1 - p)) of the relevance (the logit whose sigmoid is it), from
+    the labels' full-vocabulary logprobs so that it keeps its precision far from 0.5."""
+    first, others = score.labels[0]["logprob"], [label["logprob"] for label in score.labels[1:]]
+    top = max(others)
+    return first - (top + math.log(sum(math.exp(x - top) for x in others)))

@@ -1,0 +1,259 @@
+"""The scoring APIs (prefillonly.frontend) through the real serve stack: Envoy in front, the
+supervised tritonserver and the frontend process behind it, on the small random-weight model
+in float32 with one thread, so that every route's numbers equal an in-process Engine's on the
+same token ids. Clients are the official `cohere` and `openai` SDKs and plain HTTP."""
+
+from __future__ import annotations
+
+import json
+import math
+import urllib.error
+import urllib.request
+
+import pytest
+
+from prefillonly.frontend.presets import PRESETS_FILE
+from prefillonly.serving.testing import scrape_metrics
+
+from .test_faults import REPO, supervised
+from .test_frontend_presets import published_qwen3_ids
+
+QUERY = "What is the capital of France? The user wants a short factual answer about European geography."
+DOCS = ["Paris is the capital and largest city of France.", "Berlin is the capital of Germany.",
+        "The Eiffel Tower is in Paris.", "Bananas are yellow.", "  France's capital: Paris!  ", "été à Paris"]
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, small_served_model):
+    # no liveness probes during the tests: they are engine requests too, and one test counts requests
+    with supervised(tmp_path_factory.mktemp("frontend"), small_served_model, probe_interval_s=3600) as sup:
+        yield sup
+
+
+@pytest.fixture(scope="module")
+def engine(small_served_model):
+    from prefillonly import Engine, EngineConfig
+
+    with Engine(EngineConfig(model=small_served_model, dtype="float32", threads=1, cache_budget_bytes=0)) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def tokenizer(small_served_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(small_served_model)
+
+
+def post(url: str, body, headers=None) -> tuple[int, object]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def qwen3_relevance(engine, tokenizer, query, doc, instruction=None) -> float:
+    """P("yes") renormalised over {yes, no} on the published Qwen3-Reranker token ids, in-process."""
+    yes, no = tokenizer.convert_tokens_to_ids("yes"), tokenizer.convert_tokens_to_ids("no")
+    return engine.score(published_qwen3_ids(tokenizer, query, doc, instruction), [yes, no]).tokens[0].prob
+
+
+# -- rerank ------------------------------------------------------------------------------------
+
+
+def test_cohere_sdk_rerank_equals_engine_on_the_published_template(stack, engine, tokenizer):
+    import cohere
+
+    client = cohere.ClientV2(base_url=stack.http_url, api_key="unused")
+    reply = client.rerank(model="qwen3-reranker", query=QUERY, documents=DOCS, top_n=4)
+    want = [qwen3_relevance(engine, tokenizer, QUERY, d) for d in DOCS]
+    assert len(reply.results) == 4
+    order = sorted(range(len(DOCS)), key=lambda i: -want[i])
+    assert [r.index for r in reply.results] == order[:4]
+    for r in reply.results:
+        assert r.relevance_score == pytest.approx(want[r.index], abs=TOL)
+    assert reply.meta.tokens.input_tokens > 0
+
+
+def test_jina_rerank_shape_documents_usage_and_instruction(stack, engine, tokenizer):
+    instruction = "Find passages naming a capital city"
+    status, out = post(f"{stack.http_url}/v1/rerank", {
+        "model": "qwen3-reranker", "query": QUERY, "documents": [{"text": d} for d in DOCS], "instruction": instruction,
+        "return_documents": True})
+    assert status == 200, out
+    assert set(out) == {"id", "model", "results", "usage"} and out["model"] == "qwen3-reranker"
+    scores = [r["relevance_score"] for r in out["results"]]
+    assert scores == sorted(scores, reverse=True) and len(scores) == len(DOCS)
+    for r in out["results"]:
+        assert r["document"] == {"text": DOCS[r["index"]]}
+        assert r["relevance_score"] == pytest.approx(qwen3_relevance(engine, tokenizer, QUERY, DOCS[r["index"]], instruction), abs=TOL)
+    usage = out["usage"]
+    assert usage["prompt_tokens"] == usage["total_tokens"] > 0 and 0 <= usage["cached_tokens"] < usage["prompt_tokens"]
+
+
+def test_vllm_rerank_path_and_tei_shape(stack, engine, tokenizer):
+    status, vllm = post(f"{stack.http_url}/rerank", {"model": "qwen3-reranker", "query": QUERY, "documents": DOCS[:3], "top_n": 2})
+    assert status == 200 and len(vllm["results"]) == 2, vllm
+    # TEI: same path, a body with `texts`; the default preset (the first in the file) scores it
+    status, tei = post(f"{stack.http_url}/rerank", {"query": QUERY, "texts": DOCS[:3], "return_text": True})
+    assert status == 200 and isinstance(tei, list) and len(tei) == 3, tei
+    want = {i: qwen3_relevance(engine, tokenizer, QUERY, d) for i, d in enumerate(DOCS[:3])}
+    for r in tei:
+        assert r["score"] == pytest.approx(want[r["index"]], abs=TOL) and r["text"] == DOCS[r["index"]]
+    status, raw = post(f"{stack.http_url}/rerank", {"query": QUERY, "texts": DOCS[:3], "raw_scores": True})
+    assert status == 200, raw
+    for r in raw:  # the raw score is the log-odds of the relevance
+        assert 1 / (1 + math.exp(-r["score"])) == pytest.approx(want[r["index"]], abs=TOL)
+
+
+def test_rerank_of_100_documents_is_one_multi_item_request(stack):
+    docs = [f"Document number {i}: " + "words about cities and rivers " * (i % 7 + 1) for i in range(100)]
+    before = scrape_metrics(stack.metrics_url)
+    status, out = post(f"{stack.http_url}/v1/rerank", {"model": "yes-no-judge", "query": QUERY, "documents": docs, "top_n": 10})
+    after = scrape_metrics(stack.metrics_url)
+    assert status == 200 and len(out["results"]) == 10, out
+    key = next(k for k in after if k.startswith("nv_inference_request_success") and 'model="prefillonly"' in k)
+    assert after[key] - before.get(key, 0) == 1
+    ok = 'prefillonly_requests_total{outcome="completed"}'
+    assert after[ok] - before.get(ok, 0) == 1
+
+
+def test_user_is_the_cache_namespace(stack):
+    body = {"model": "qwen3-reranker", "query": QUERY + " (namespace test)", "documents": DOCS[:2]}
+    first = post(f"{stack.http_url}/v1/rerank", dict(body, user="alice"))[1]
+    again = post(f"{stack.http_url}/v1/rerank", dict(body, user="alice"))[1]
+    other = post(f"{stack.http_url}/v1/rerank", body, headers={"x-prefillonly-user": "bob"})[1]
+    assert first["usage"]["cached_tokens"] == 0
+    assert again["usage"]["cached_tokens"] > 0  # alice's query prompt came from the prefix cache
+    assert other["usage"]["cached_tokens"] == 0  # never across users
+
+
+def test_long_document_truncated_when_asked_else_refused_by_index(stack):
+    long_doc = "many words here " * 3000  # ~9K tokens: over the model's 8,192
+    docs = ["short", long_doc]
+    status, out = post(f"{stack.http_url}/v1/rerank", {"model": "plain", "query": "q", "documents": docs})
+    assert status == 400 and "documents[1]" in out["error"]["message"], out
+    status, out = post(f"{stack.http_url}/v1/rerank", {"model": "plain", "query": "q", "documents": docs, "max_tokens_per_doc": 50})
+    assert status == 200 and len(out["results"]) == 2, out
+    status, out = post(f"{stack.http_url}/rerank", {"query": "q", "texts": docs})
+    assert status == 422 and out["error_type"] == "Validation" and "documents[1]" in out["error"], out
+    status, out = post(f"{stack.http_url}/rerank", {"query": "q", "texts": docs, "truncate": True, "truncation_direction": "Left"})
+    assert status == 200, out
+
+
+# -- score ---------------------------------------------------------------------------------------
+
+
+def test_sglang_score_text_and_ids_equal_engine(stack, engine, tokenizer):
+    labels = [tokenizer.encode(" Yes")[0], tokenizer.encode(" No")[0], 13]
+    query, items = "Is this post about travel?", [" Hiking in the Alps.", " Quarterly earnings rose.", " A flight to Rome."]
+    for apply_softmax in (False, True):
+        status, out = post(f"{stack.http_url}/v1/score", {"model": "plain", "query": query, "items": items,
+                                                          "label_token_ids": labels, "apply_softmax": apply_softmax})
+        assert status == 200 and out["object"] == "scoring" and out["model"] == "plain", out
+        for got, item in zip(out["scores"], items):
+            # text inputs: the query and each item tokenized on their own (the multi-item request)
+            want = engine.score(tokenizer.encode(query) + tokenizer.encode(item), labels)
+            exp = [t.prob if apply_softmax else math.exp(t.logprob) for t in want.tokens]
+            assert got == pytest.approx(exp, abs=TOL)
+    q_ids, item_ids = tokenizer.encode(query), [tokenizer.encode(x) for x in items]
+    status, out = post(f"{stack.http_url}/v1/score", {"model": "prefillonly", "query": q_ids, "items": item_ids,
+                                                      "label_token_ids": labels, "item_first": True, "apply_softmax": True})
+    assert status == 200, out
+    for got, ids in zip(out["scores"], item_ids):
+        assert got == pytest.approx([t.prob for t in engine.score(ids + q_ids, labels).tokens], abs=TOL)
+
+
+def test_vllm_generative_scoring_shape(stack, engine, tokenizer):
+    labels = [tokenizer.encode(" Yes")[0], tokenizer.encode(" No")[0]]
+    status, out = post(f"{stack.http_url}/generative_scoring", {"query": "Is it warm?", "items": [" Sun.", " Snow."],
+                                                                "label_token_ids": labels, "apply_softmax": True})
+    assert status == 200 and out["object"] == "list" and [d["index"] for d in out["data"]] == [0, 1], out
+    for d, item in zip(out["data"], [" Sun.", " Snow."]):
+        want = engine.score(tokenizer.encode("Is it warm?") + tokenizer.encode(item), labels).tokens[0].prob
+        assert d["object"] == "score" and d["score"] == pytest.approx(want, abs=TOL)
+
+
+# -- completions ---------------------------------------------------------------------------------
+
+
+def test_openai_sdk_one_token_completion_equals_engine(stack, engine):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused")
+    prompts = ["Is the sky blue? Answer:", "Name a colour:"]
+    reply = client.completions.create(model="prefillonly", prompt=prompts, max_tokens=1, logprobs=5)
+    assert [m.id for m in client.models.list().data][:1] == ["prefillonly"]
+    assert len(reply.choices) == 2 and reply.usage.completion_tokens == 2
+    for choice, prompt in zip(reply.choices, prompts):
+        want = engine.score(prompt, [0], top_k=5)
+        assert choice.text == want.top_k[0].text
+        assert choice.logprobs.token_logprobs[0] == pytest.approx(want.top_k[0].logprob, abs=TOL)
+        assert list(choice.logprobs.top_logprobs[0].values()) == pytest.approx([t.logprob for t in want.top_k], abs=TOL)
+    yes_no = [9230, 2838]
+    reply = client.completions.create(model="prefillonly", prompt="Is fire hot? Answer:", max_tokens=1, logprobs=2,
+                                      extra_body={"allowed_token_ids": yes_no})
+    want = engine.score("Is fire hot? Answer:", yes_no)
+    assert reply.choices[0].text == want.chosen.text
+    assert set(reply.choices[0].logprobs.top_logprobs[0]) == {" Yes", " No"}
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be 0 or 1"):
+        client.completions.create(model="prefillonly", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="logprobs must be between 0 and 20"):
+        client.completions.create(model="prefillonly", prompt="x", max_tokens=1, logprobs=21)
+    with pytest.raises(openai.NotFoundError, match="gpt-4"):
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+BAD = [
+    ("/v1/rerank", {"model": "qwen3-reranker", "query": "q", "documents": []}, 400, "documents is empty"),
+    ("/v1/rerank", {"model": "qwen3-reranker", "query": "q", "documents": ["a"], "top_n": -1}, 400, "top_n must be >= 0"),
+    ("/v1/rerank", {"model": "no-such-model", "query": "q", "documents": ["a"]}, 400, "no-such-model"),
+    ("/v1/rerank", {"model": "plain", "query": "q", "documents": ["a"], "instruction": "x"}, 400, "takes no instruction"),
+    ("/v1/rerank", {"model": "plain", "query": "q", "documents": ["a"], "top_k": 3}, 400, "top_k"),
+    ("/v1/rerank", {"model": "plain", "query": "q", "documents": [5]}, 400, "documents[0]"),
+    ("/v1/rerank", {"model": "plain", "documents": ["a"]}, 400, "query"),
+    ("/v1/rerank", {"model": "plain", "query": "q", "documents": ["a"] * 257}, 400, "max_items"),
+    ("/v1/score", {"query": "q", "items": ["a"], "label_token_ids": []}, 400, "label_token_ids"),
+    ("/v1/score", {"query": "q", "items": ["a"], "label_token_ids": [1, 1]}, 400, "duplicates"),
+    ("/v1/score", {"query": "q", "items": ["a"], "label_token_ids": [10 ** 9]}, 400, "invalid_request"),
+    ("/v1/score", {"model": "qwen3-reranker", "query": [1, 2], "items": [[3]], "label_token_ids": [1]}, 400, "raw model"),
+    ("/v1/completions", {"model": "prefillonly", "prompt": "x", "stream": True}, 400, "stream"),
+    ("/v1/completions", {"model": "prefillonly", "prompt": [1] * 9000}, 400, "prompt_too_long"),
+    ("/v1/completions", {"model": "prefillonly", "prompt": ""}, 400, "prompt[0] is empty"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,match", BAD, ids=[m for *_, m in BAD])
+def test_bad_input_is_refused_in_the_api_shape(stack, path, body, status, match):
+    got, out = post(f"{stack.http_url}{path}", body)
+    assert got == status, out
+    assert match in out["error"]["message"] and out["error"]["message"].split(":")[0].isidentifier(), out
+
+
+def test_cohere_error_shape_and_bad_json(stack):
+    status, out = post(f"{stack.http_url}/v2/rerank", {"model": "qwen3-reranker", "query": "q", "documents": []})
+    assert status == 400 and out == {"message": "invalid_request: documents is empty; give at least one"}, out
+    status, out = post(f"{stack.http_url}/v1/rerank", b"{not json")
+    assert status == 400 and "not valid JSON" in out["error"]["message"], out
+    status, out = post(f"{stack.http_url}/v1/nothing", {})
+    assert status == 404 and "no route" in out["error"]["message"], out
+    # the server keeps serving
+    status, out = post(f"{stack.http_url}/v1/rerank", {"model": "plain", "query": "q", "documents": ["a"]})
+    assert status == 200, out
+
+
+def test_a_preset_with_a_multi_token_label_stops_the_start(tmp_path, small_served_model):
+    from prefillonly.frontend.app import main
+
+    repo = tmp_path / "repo" / "prefillonly"
+    repo.mkdir(parents=True)
+    (repo / "config.pbtxt").write_text((REPO / "prefillonly" / "config.pbtxt").read_text().replace(
+        'key: "model" value: { string_value: "" }', f'key: "model" value: {{ string_value: "{small_served_model}" }}'))
+    (repo / PRESETS_FILE).write_text(json.dumps({"bad": {"template": "{query}{document}", "labels": [" xqzvbl", " No"]}}))
+    assert main(["--model-repository", str(repo.parent), "--triton-grpc", "127.0.0.1:1", "--check"]) == 2
