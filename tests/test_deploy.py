@@ -61,6 +61,11 @@ def test_replicas_are_one_gpu_each_with_the_probes_and_the_headless_service_envo
     assert triton["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert triton["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
     assert "probe" in triton["livenessProbe"]["exec"]["command"]
+    # the scoring frontend (started by serve in the pod) calls back through the fleet's Envoy Service
+    upstream = triton["args"][triton["args"].index("--frontend-upstream") + 1]
+    service = docs[("Service", "prefillonly")]
+    grpc_port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc")
+    assert upstream == f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc.cluster.local:{grpc_port}"
     assert pod["terminationGracePeriodSeconds"] >= 120
     assert docs[("Service", "prefillonly-replicas")]["spec"]["clusterIP"] == "None"
     hpa = docs[("HorizontalPodAutoscaler", "prefillonly-replica")]["spec"]

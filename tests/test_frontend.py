@@ -170,8 +170,9 @@ def test_sglang_score_text_and_ids_equal_engine(stack, engine, tokenizer):
 
 def test_vllm_generative_scoring_shape(stack, engine, tokenizer):
     labels = [tokenizer.encode(" Yes")[0], tokenizer.encode(" No")[0]]
+    # vLLM's default is apply_softmax=True (SGLang's False)
     status, out = post(f"{stack.http_url}/generative_scoring", {"query": "Is it warm?", "items": [" Sun.", " Snow."],
-                                                                "label_token_ids": labels, "apply_softmax": True})
+                                                                "label_token_ids": labels})
     assert status == 200 and out["object"] == "list" and [d["index"] for d in out["data"]] == [0, 1], out
     for d, item in zip(out["data"], [" Sun.", " Snow."]):
         want = engine.score(tokenizer.encode("Is it warm?") + tokenizer.encode(item), labels).tokens[0].prob
@@ -257,3 +258,23 @@ def test_a_preset_with_a_multi_token_label_stops_the_start(tmp_path, small_serve
         'key: "model" value: { string_value: "" }', f'key: "model" value: {{ string_value: "{small_served_model}" }}'))
     (repo / PRESETS_FILE).write_text(json.dumps({"bad": {"template": "{query}{document}", "labels": [" xqzvbl", " No"]}}))
     assert main(["--model-repository", str(repo.parent), "--triton-grpc", "127.0.0.1:1", "--check"]) == 2
+
+
+def test_a_killed_frontend_is_restarted_by_the_supervisor(stack):
+    """Last in the module: the supervisor's watchdog brings a dead frontend back on the same port,
+    so Envoy's route to it holds; meanwhile Envoy answers 503 unavailable."""
+    import os
+    import signal
+    import time
+
+    old = stack.frontend
+    os.killpg(old.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    status, out = 0, None
+    while time.monotonic() < deadline:
+        time.sleep(1)
+        if stack.frontend is not old and stack.frontend.poll() is None:
+            status, out = post(f"{stack.http_url}/v1/rerank", {"model": "plain", "query": "q", "documents": ["a"]})
+            if status == 200:
+                break
+    assert status == 200 and stack.frontend is not old, (status, out)

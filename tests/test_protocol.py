@@ -30,6 +30,37 @@ def test_ids_and_items():
     assert call.prompts == [[1, 2, 3]] and call.items == ["x", "y"] and call.options["item_template"] == "\nPost: {item}"
 
 
+def test_items_as_token_ids():
+    call = parse_request({"input_ids": np.array([1, 2]), "allowed_token_ids": np.array([4]),
+                          "item_ids": np.array([7, 8, 9, 10, 11, 12]), "item_lengths": np.array([1, 3, 2])})
+    assert call.items == [[7], [8, 9, 10], [11, 12]] and "item_template" not in call.options
+
+
+ONE = {"input_ids": np.array([1]), "allowed_token_ids": np.array([4])}
+
+
+@pytest.mark.parametrize("tensors,match", [
+    (dict(ONE, item_ids=np.array([7, 8])), "item_ids and item_lengths go together"),
+    (dict(ONE, item_lengths=np.array([2])), "item_ids and item_lengths go together"),
+    (dict(ONE, item_ids=np.array([7, 8]), item_lengths=np.array([1])), "add up to 1 but item_ids has 2"),
+    (dict(ONE, item_ids=np.array([7]), item_lengths=np.array([1, 0])), "item 1 is not"),
+    (dict(ONE, item_ids=np.array([7.5]), item_lengths=np.array([1])), "item_ids must be integers"),
+    (dict(ONE, item_ids=np.array([7]), item_lengths=np.array([1]), items=b("x")), "not both"),
+    (dict(ONE, item_ids=np.array([7]), item_lengths=np.array([1]), item_template=b("{item}")), "applies to text items"),
+])
+def test_bad_item_ids_name_the_problem(tensors, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        parse_request(tensors)
+
+
+def test_item_ids_count_against_max_items():
+    from prefillonly.limits import RequestLimits
+
+    limits = RequestLimits(max_prompt_bytes=100, max_prompts_per_request=4, max_items=2, max_allowed_tokens=4, max_token_bytes=8)
+    with pytest.raises(InvalidRequestError, match="max_items"):
+        parse_request(dict(ONE, item_ids=np.array([1, 2, 3]), item_lengths=np.array([1, 1, 1])), limits)
+
+
 @pytest.mark.parametrize("tensors,match", [
     ({"allowed_tokens": b(" Yes")}, "missing prompt"),
     ({"text_input": b("a"), "input_ids": np.array([1]), "allowed_tokens": b(" Yes")}, "exactly one of text_input"),

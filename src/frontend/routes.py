@@ -168,8 +168,10 @@ def build_app(scoring: Scoring) -> FastAPI:
                 "meta": {"api_version": {"version": "2"}, "billed_units": {"search_units": 1},
                          "tokens": {"input_tokens": scored.prompt_tokens, "output_tokens": 0}}}
 
-    async def score(request: Request) -> tuple[ScoreRequest, str, Scored]:
+    async def score(request: Request, apply_softmax: bool) -> tuple[ScoreRequest, str, Scored]:
         body = await _parse(request, ScoreRequest)
+        if body.apply_softmax is None:
+            body.apply_softmax = apply_softmax
         preset = scoring.preset(body.model, for_rerank=False)
         scored = await scoring.score(preset, body.query, body.items, body.label_token_ids, item_first=body.item_first,
                                      user=_user(request, body.user))
@@ -181,13 +183,13 @@ def build_app(scoring: Scoring) -> FastAPI:
 
     @app.post("/v1/score")
     async def score_sglang(request: Request):
-        body, model, scored = await score(request)
+        body, model, scored = await score(request, apply_softmax=False)
         return {"scores": [_label_values(s, body.apply_softmax) for s in scored.scores], "model": model,
                 "usage": _usage(scored), "object": "scoring"}
 
     @app.post("/generative_scoring")
     async def score_vllm(request: Request):
-        body, model, scored = await score(request)
+        body, model, scored = await score(request, apply_softmax=True)
         data = [{"index": s.index, "object": "score", "score": _label_values(s, body.apply_softmax)[0]} for s in scored.scores]
         return {"id": _new_id("score"), "object": "list", "created": int(time.time()), "model": model, "data": data,
                 "usage": _usage(scored)}

@@ -56,7 +56,7 @@ class ScoreRequest(_Strict):
     query: Union[str, list[int]]
     items: Union[list[str], list[list[int]]]
     label_token_ids: list[int] = Field(min_length=1)
-    apply_softmax: bool = False
+    apply_softmax: Optional[bool] = None  # default: False on /v1/score (SGLang's), True on /generative_scoring (vLLM's)
     item_first: bool = False
     user: Optional[str] = None
 

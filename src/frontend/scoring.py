@@ -77,34 +77,39 @@ class Scoring:
 
     async def score(self, preset: ScoringPreset, query, items: list, label_ids: list[int], *, item_first: bool,
                     user: str | None) -> Scored:
-        """SGLang / vLLM generative scoring: text or token ids, the preset's template for text."""
+        """SGLang / vLLM generative scoring. With the raw model, as vLLM does: a text query is
+        tokenized with the model's special tokens, each text item without, and the ids are
+        concatenated (item first when asked); token ids go as they are. A template preset renders
+        text through its template."""
         self._check_documents(len(items), "items")
         if len(set(label_ids)) != len(label_ids):
             raise APIError("label_token_ids has duplicates; list each token once", param="label_token_ids")
         ids_in = not isinstance(query, str)
         if ids_in != all(not isinstance(x, str) for x in items):
             raise APIError("query and items must both be text or both be token ids", param="items")
-        if (ids_in or item_first) and not preset.raw:
-            raise APIError(f"model {preset.name!r} applies a template to text; token ids and item_first need the raw "
-                           f"model {self.base_model!r}", param="model")
-        if item_first:
-            self._check_prompts(len(items), "items with item_first")
-            prompts = ([list(x) + list(query) for x in items] if ids_in else
-                       await asyncio.to_thread(lambda: [self.tokens.encode(x + query, first=True) for x in items]))
-            for i, p in enumerate(prompts):
-                self._check_length(len(p), f"items[{i}]")
-            results = await self._call(self.upstream.score_prompts(prompts, label_ids, user=user))
-            return Scored([DocumentScore(i, r["tokens"]) for i, r in enumerate(results)],
-                          sum(r["prompt_tokens"] for r in results), sum(r["cached_tokens"] for r in results))
-        if ids_in:
-            if not query or any(not x for x in items):
-                raise APIError("query and every item need at least one token id", param="items")
-            for i, x in enumerate(items):
-                self._check_length(len(query) + len(x), f"items[{i}]")
-            rendered = Rendered(shared=list(query), items=[list(x) for x in items], truncated=[])
-        else:
+        if not preset.raw:
+            if ids_in or item_first:
+                raise APIError(f"model {preset.name!r} applies a template to text; token ids and item_first need the "
+                               f"raw model {self.base_model!r}", param="model")
             rendered = await asyncio.to_thread(self.tokens.render, preset, query, items)
-        return await self._items(rendered, label_ids, user, 0)
+            return await self._items(rendered, label_ids, user, 0)
+        if ids_in:
+            query_ids, item_ids = list(query), [list(x) for x in items]
+        else:
+            query_ids, item_ids = await asyncio.to_thread(
+                lambda: (self.tokens.encode(query, first=True), [self.tokens.encode(x) for x in items]))
+        if not query_ids:
+            raise APIError("query has no tokens", param="query")
+        for i, x in enumerate(item_ids):
+            if not x:
+                raise APIError(f"items[{i}] has no tokens", param="items")
+            self._check_length(len(query_ids) + len(x), f"items[{i}]")
+        if not item_first:
+            return await self._items(Rendered(shared=query_ids, items=item_ids, truncated=[]), label_ids, user, 0)
+        self._check_prompts(len(items), "items with item_first")
+        results = await self._call(self.upstream.score_prompts([x + query_ids for x in item_ids], label_ids, user=user))
+        return Scored([DocumentScore(i, r["tokens"]) for i, r in enumerate(results)],
+                      sum(r["prompt_tokens"] for r in results), sum(r["cached_tokens"] for r in results))
 
     async def _items(self, rendered: Rendered, label_ids: list[int], user: str | None, priority: int) -> Scored:
         results = await self._call(self.upstream.score_items(rendered.shared, rendered.items, label_ids, user=user,

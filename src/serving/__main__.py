@@ -64,6 +64,7 @@ def _serve(a: argparse.Namespace) -> int:
     options = ServeOptions(
         model_repository=str(Path(a.model_repository).resolve()), host=a.host, http_port=a.http_port,
         grpc_port=a.grpc_port, metrics_port=a.metrics_port, proxy=not a.no_proxy, frontend=not a.no_frontend,
+        frontend_upstream=a.frontend_upstream,
         max_request_bytes=a.max_request_bytes,
         probe_interval_s=a.probe_interval, probe_timeout_s=a.probe_timeout, ready_timeout_s=a.ready_timeout,
         exit_timeout_secs=a.exit_timeout_secs, admin_key=a.admin_key or os.environ.get("PREFILLONLY_ADMIN_KEY"),
@@ -141,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="no Envoy in front: Triton binds the ports itself (unsafe: see README 'Reliability and security')")
     s.add_argument("--no-frontend", action="store_true",
                    help="no scoring-API frontend (rerank, score, completions routes); Triton's own routes only")
+    s.add_argument("--frontend-upstream", default=None, metavar="HOST:PORT",
+                   help="gRPC address the frontend calls (default: this Triton); in a fleet, the fleet front door's, so "
+                        "that a request's `user` field routes it to that user's replica")
     s.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help=f"largest HTTP request body the front door passes on (default {DEFAULT_MAX_REQUEST_BYTES:,})")
     s.add_argument("--probe-interval", type=float, default=5.0, help="seconds between liveness probes (default 5)")

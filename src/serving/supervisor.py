@@ -51,6 +51,9 @@ class ServeOptions:
     metrics_port: int = 8002
     proxy: bool = True  # Envoy in front (the safe default); False: Triton on host's ports directly
     frontend: bool = True  # the scoring APIs (rerank, score, completions) behind Envoy; needs proxy
+    # where the frontend sends its gRPC streams: None = this server's Triton; in a fleet, the fleet's
+    # front door, so that a request's `user` field routes it to that user's replica (affinity header)
+    frontend_upstream: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     probe_interval_s: float = 5.0
     probe_timeout_s: float = 120.0  # the probe waits for the running request: longer than any one forward
@@ -116,8 +119,9 @@ class Supervisor:
         return True
 
     def _start_frontend(self) -> None:
-        grpc_port = self._internal_ports[1]
-        self.frontend = FrontendProcess(self.options.model_repository, f"127.0.0.1:{grpc_port}",
+        upstream = self.options.frontend_upstream or f"127.0.0.1:{self._internal_ports[1]}"
+        port = self.frontend.port if self.frontend is not None else 0  # a restart keeps the port Envoy routes to
+        self.frontend = FrontendProcess(self.options.model_repository, upstream, port=port,
                                         log_path=self.options.log_path).start()
 
     def _start_proxy(self) -> None:

@@ -153,12 +153,7 @@ class TritonServer(LoggedProcess):
             return None
         if self.process.poll() is None:
             self.drain(drain_timeout)
-            self.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.send_signal(signal.SIGKILL)
-                self.process.wait(10)
+            self._terminate(timeout)
         # stubs outlive a SIGKILLed server briefly; take whatever is left of the group
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
