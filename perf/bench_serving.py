@@ -55,6 +55,7 @@ from perf import benchutil as bu
 from perf import perf_analyzer_inputs as pai
 from perf import workloads as wl
 from prefillonly.serving import prometheus
+from prefillonly.serving.model_settings import engine_settings
 from prefillonly.serving.server_tree import TRITON_SERVER_VERSION
 
 SECTION = "## Serving"
@@ -109,14 +110,6 @@ def wait_idle(server, model: str = MODEL, timeout: float = 600.0) -> None:
 
 
 # -- 1. serving overhead at low load -------------------------------------------------------------
-def config_settings(model_dir: Path) -> dict[str, str]:
-    """The engine settings (string parameters) of a config.pbtxt, as model.py hands them to
-    EngineConfig.from_strings."""
-    text = (model_dir / "config.pbtxt").read_text()
-    pattern = r'parameters\s*\{\s*key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"\s*\}\s*\}'
-    return dict(re.findall(pattern, text))
-
-
 def short_prompts(n: int, length: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(wl.LOW_TOKEN_ID, wl.SMOLLM2_VOCAB_SIZE, size=length).tolist() + wl.POST_REC_SUFFIX_IDS
@@ -191,7 +184,7 @@ def measure_overhead(server, n: int, length: int, seed: int, gap_s: float = 0.25
         unary.infer(SYNC_MODEL, _infer_inputs(grpcclient, ids))
         return time.perf_counter() - t0
 
-    settings = config_settings(REPO / MODEL)
+    settings = engine_settings(REPO / MODEL)
     bu.log(f"in-process Engine with the server's settings {settings}")
     engine = Engine(EngineConfig.from_strings(settings))
 
@@ -521,7 +514,7 @@ def main(argv: list[str]) -> int:
     trace = wl.generate("post_rec", a.scale, a.seed)
     bu.log(trace.summary())
     bu.log(f"perf_analyzer: {perf_analyzer_path()}")
-    settings = config_settings(REPO / MODEL)
+    settings = engine_settings(REPO / MODEL)
     data = {"command": bu.command_line(), "date": bu.now_iso(), "quick": q, "trace_summary": trace.summary(),
             "settings": settings, "window_ms": window_ms, "repeats": repeats, "rate_levels": rate_levels,
             "sync_instances": sync_instances(), "results_dir": str(out_dir.relative_to(bu.REPO_ROOT))}

@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import re
 import sys
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..serving.model_settings import engine_settings
 from .presets import PRESETS_FILE, TemplateTokenizer, load_presets
 from .scoring import Limits, Scoring
 from .upstream import TritonUpstream
@@ -25,17 +25,6 @@ from .upstream import TritonUpstream
 log = logging.getLogger("prefillonly.frontend")
 # on SIGTERM, calls in flight get this long to finish (the supervisor has drained the engine by then)
 GRACEFUL_SHUTDOWN_S = 5
-_PARAMETER = re.compile(r'parameters\s*\{\s*key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"\s*\}\s*\}')
-
-
-def engine_settings(model_dir: Path) -> dict[str, str]:
-    """The engine model's string parameters from its config.pbtxt."""
-    try:
-        return dict(_PARAMETER.findall((model_dir / "config.pbtxt").read_text()))
-    except OSError as e:
-        raise ConfigError(f"cannot read {model_dir / 'config.pbtxt'}: {e}") from e
-
-
 def build_scoring(model_repository: str | Path, triton_grpc: str, model_name: str = "prefillonly",
                   presets_path: str | Path | None = None) -> Scoring:
     from transformers import AutoTokenizer

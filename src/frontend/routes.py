@@ -36,9 +36,11 @@ log = logging.getLogger("prefillonly.frontend")
 COHERE_PATHS = ("/v2/rerank",)
 
 
-def _style(request: Request, body: object = None) -> str:
+def _style(request: Request) -> str:
+    """The error shape of the API called: the path, and for /rerank the body read so far."""
     if request.url.path in COHERE_PATHS:
         return "cohere"
+    body = getattr(request.state, "body", None)
     if request.url.path == "/rerank" and isinstance(body, dict) and "texts" in body:
         return "tei"
     return "openai"
@@ -73,17 +75,16 @@ def build_app(scoring: Scoring) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return error_response(_style(request, getattr(request.state, "body", None)), e)
+        return error_response(_style(request), e)
 
     @app.exception_handler(PrefillOnlyError)
     async def _refused(request: Request, e: PrefillOnlyError):  # the rendering's refusals (a document too long)
-        return error_response(_style(request, getattr(request.state, "body", None)), APIError(str(e), code=e.code))
+        return error_response(_style(request), APIError(str(e), code=e.code))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):  # a bug: still an answer in the API's shape
         log.exception("internal error on %s", request.url.path)
-        return error_response(_style(request, getattr(request.state, "body", None)),
-                              APIError(f"{type(e).__name__}: {e}", status=500, code="internal"))
+        return error_response(_style(request), APIError(f"{type(e).__name__}: {e}", status=500, code="internal"))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
@@ -197,7 +198,7 @@ def build_app(scoring: Scoring) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _parse(request, CompletionRequest)
-        scoring.check_model(body.model)
+        scoring.preset(body.model, for_rerank=False)  # a served name, or 404 listing them
         if body.max_tokens is not None and not 0 <= body.max_tokens <= 1:
             raise APIError(f"max_tokens must be 0 or 1, not {body.max_tokens}: this engine scores the next token and "
                            "never decodes further", param="max_tokens")

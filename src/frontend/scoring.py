@@ -60,11 +60,6 @@ class Scoring:
         raise APIError(f"model {model!r} is not served here; choose one of {', '.join(names)} (GET /v1/models)",
                        param="model", status=404 if not for_rerank else 400)
 
-    def check_model(self, model: str) -> None:
-        if model not in self.model_names():
-            raise APIError(f"model {model!r} is not served here; choose one of {', '.join(self.model_names())}",
-                           param="model", status=404)
-
     # -- rerank and score ---------------------------------------------------------------------
     async def rerank(self, preset: ScoringPreset, query: str, documents: list[str], *, instruction: str | None,
                      max_tokens_per_doc: int | None, truncate: str | None, user: str | None, priority: int = 0) -> Scored:

@@ -24,9 +24,12 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
-USER_HEADER = "x-prefillonly-user"  # the front door's affinity key (serving/envoy.py)
-# codes whose requests may succeed later or elsewhere: the HTTP answer is 503
-RETRY_LATER_CODES = ("overloaded", "engine_closed", "deadline_exceeded", "unavailable")
+from ..serving.envoy import USER_HEADER  # the front door's affinity key
+from ..serving.protocol import RETRY_LATER_CODES as ENGINE_RETRY_LATER_CODES
+
+# codes whose requests may succeed later or elsewhere (the engine's, and a Triton or connection
+# that is not there right now): the HTTP answer is 503
+RETRY_LATER_CODES = (*ENGINE_RETRY_LATER_CODES, "unavailable")
 
 
 class UpstreamError(Exception):

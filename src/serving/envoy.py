@@ -483,14 +483,9 @@ class EnvoyProxy(LoggedProcess):
         the process exits, or after `timeout` seconds."""
         return super().wait_ready(timeout, step=0.1)
 
-    def stop(self, timeout: float = 10.0) -> int | None:
-        """SIGTERM (Envoy exits at once, cutting open connections), SIGKILL after `timeout` seconds.
-        Returns the exit status (None if never started). Idempotent."""
-        if self.process is None:
-            return None
-        self._terminate(timeout)
+    # stop(): LoggedProcess's (SIGTERM: Envoy exits at once, cutting open connections)
+    def _after_stop(self) -> None:
         self._cleanup()
-        return self.process.returncode
 
     def _cleanup(self) -> None:
         self._release()

@@ -52,13 +52,8 @@ class FrontendProcess(LoggedProcess):
     def wait_ready(self, timeout: float = 120.0) -> "FrontendProcess":
         return super().wait_ready(timeout, step=0.2)
 
-    def stop(self, timeout: float = 10.0) -> int | None:
-        """SIGTERM (uvicorn finishes the calls in flight, for at most its graceful timeout), then SIGKILL."""
-        if self.process is None:
-            return None
-        self._terminate(timeout)
-        self._release()
-        return self.process.returncode
+    # stop(): LoggedProcess's (on SIGTERM uvicorn finishes the calls in flight, for at most its
+    # graceful timeout; SIGKILL after `timeout`)
 
     def describe(self) -> str:
         return self.url

@@ -94,12 +94,22 @@ class LoggedProcess:
         self._log_file = None
         self._last_tail = ""
 
-    # -- subclasses implement ----------------------------------------------------------------
+    # -- subclasses implement (is_ready) or may override (stop, _after_stop, describe) ---------
     def is_ready(self) -> bool:
         raise NotImplementedError
 
     def stop(self, timeout: float = 10.0) -> int | None:
-        raise NotImplementedError
+        """SIGTERM, SIGKILL after `timeout` seconds, then release; the exit status (None if never
+        started). Idempotent. TritonServer overrides it (it drains first); EnvoyProxy's
+        `_after_stop` also removes its config folder."""
+        if self.process is None:
+            return None
+        self._terminate(timeout)
+        self._after_stop()
+        return self.process.returncode
+
+    def _after_stop(self) -> None:
+        self._release()
 
     def describe(self) -> str:
         """Addresses for repr()."""
