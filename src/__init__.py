@@ -3,8 +3,6 @@
 Public API (docs/design.md §5): Engine, EngineConfig, ScoreResult, TokenScore and the errors.
 """
 
-from .config import EngineConfig
-from .engine import Engine
 from .errors import (
     ConfigError,
     DeadlineExceededError,
@@ -16,7 +14,20 @@ from .errors import (
     PromptTooLongError,
     UnsupportedModelError,
 )
-from .result import ScoreResult, TokenScore
+
+# Engine, EngineConfig and the result types are loaded on first use (PEP 562), so that importing
+# a tensor-free part of the package (the scheduler, the cache index, the wire protocol, the
+# frontend's schemas) does not pay for torch: `import prefillonly.scheduler` runs this file first.
+_LAZY = {"Engine": ".engine", "EngineConfig": ".config", "ScoreResult": ".result", "TokenScore": ".result"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "Engine",

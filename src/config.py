@@ -1,7 +1,12 @@
 """EngineConfig: every engine setting in one dataclass, validated once with clear messages.
 
 The Triton model and the CLI build it from their own inputs (strings allowed: "bfloat16",
-"2048", "none"); nothing below the engine reads the environment.
+"2048", "none"). Settings come from here, not from the environment; the few environment
+variables the code reads are switches for a host (README "Configuration"): where files are kept
+(paths.py), turning the compiled CPU kernels or the GPU kernels off, forcing a CPU ISA path.
+
+Defaults owned by a layer are written in that layer and read here (the scheduler's policies,
+lambda and queue bound; the attention backends), so that those layers need not import this module.
 
 dtype "auto" (the default) is resolved here, once, by hardware.resolve_dtype: after construction
 `dtype` is always a concrete dtype, `requested_dtype` what was asked for and `dtype_reason` why.
@@ -17,6 +22,8 @@ import torch
 from .errors import ConfigError
 from .hardware import resolve_dtype
 from .kernels.attention import BACKENDS
+from .paths import default_cache_dir
+from .scheduler.policy import DEFAULT_LAMBDA_TOKENS_PER_S, DEFAULT_MAX_WAITING, POLICIES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 64
@@ -24,27 +31,28 @@ DEFAULT_MAX_PROMPTS_PER_REQUEST = 64
 # (README "Batching"); CUDA: not measured yet (no GPU lent), the batch size at which an
 # H100-class GPU's matmuls are compute-bound for an 8B model, as vLLM's default.
 DEFAULT_MAX_BATCH_TOKENS = {"cpu": 2048, "cuda": 8192}
+# Shares of the memory free at start-up that the unset budgets take: the prefix-KV pool first,
+# then the activation budget out of what is left.
+DEFAULT_CACHE_FRACTION = 0.2
+DEFAULT_ACTIVATION_FRACTION = 0.9
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
-
-def default_cache_dir() -> str:
-    """Where the converted default model lives: $PREFILLONLY_CACHE_DIR or ~/.cache/prefillonly."""
-    return os.environ.get("PREFILLONLY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "prefillonly")
 
 
 @dataclass
 class EngineConfig:
-    # The one place each engine default is written: the scheduler, the CLI and the simulator read
-    # theirs with EngineConfig.default_of(name); a field's "help" metadata is its CLI help.
+    # Every engine setting and its default (those owned by a lower layer are imported from it);
+    # the CLI and the simulator read them with EngineConfig.default_of(name); a field's "help"
+    # metadata is its CLI help.
     model: str | None = field(default=None, metadata={"help": "HF checkpoint folder (default: embedded SmolLM2-135M-Instruct)"})
     dtype: str = field(default="auto", metadata={"help": "auto | float32 | bfloat16 | float16 (CUDA); auto = bfloat16 on CUDA "
                                                           "and on CPUs with a native bf16 dot product, else float32"})
     device: str = "cpu"  # cpu | cuda | cuda:N
     chunk_size: int | None = field(default=2048, metadata={"help": "tokens per chunk; 0 = no chunking"})  # per-token ops; None = no chunking too
     max_input_len: int | None = None  # None = the model's context length; larger is an explicit override
-    activation_budget_bytes: int | None = None  # one request's transient peak; None = 90% of free memory at start
+    activation_budget_bytes: int | None = None  # one request's transient peak; None = 90% of the memory free at start less the cache's
     threads: int | None = None  # torch intra-op threads (CPU); None = torch's default
-    attention_backend: str = "auto"  # auto | cpu_flash | sdpa | flash_attn
+    attention_backend: str = "auto"  # one of kernels.attention.BACKENDS: auto | cpu_flash | triton | sdpa | flash_attn
     cache_budget_bytes: int | None = None  # prefix-KV pool; None = 20% of free memory at start; 0 = no cache
     cache_block_size: int = 64  # tokens per cached block (the unit of prefix reuse)
     cache_second_tier_bytes: int = 0  # blocks evicted from the pool go here (host memory); 0 = off
@@ -53,8 +61,8 @@ class EngineConfig:
     max_allowed_tokens: int = 256  # most allowed output tokens in one request
     max_prompt_bytes: int | None = None  # bytes of one prompt/item text; None = max_input_len x the longest token's bytes
     scheduling_policy: str = "csjf"  # fcfs | sjf | csjf (continuous JCT-calibrated SJF, dependency groups) | csjf-independent
-    lambda_tokens_per_s: float = 500.0  # csjf starvation guard (the paper's): tokens of credit per second waited
-    max_waiting: int = 1024  # waiting requests beyond this are refused at once ("overloaded")
+    lambda_tokens_per_s: float = DEFAULT_LAMBDA_TOKENS_PER_S  # csjf starvation guard (the paper's): tokens of credit per second waited
+    max_waiting: int = DEFAULT_MAX_WAITING  # waiting requests beyond this are refused at once ("overloaded")
     max_batch_tokens: int | None = None  # uncached tokens one forward step may pack; None = the device's default; 1 = no batching
     cache_dir: str = field(default_factory=default_cache_dir)  # converted default model
     # Set by __post_init__, not arguments: the dtype as asked ("auto" or a dtype) and why `dtype`
@@ -95,8 +103,6 @@ class EngineConfig:
             # such a request could never be queued whole: it would be answered "overloaded" forever
             raise ConfigError(f"max_prompts_per_request {self.max_prompts_per_request} is over max_waiting "
                               f"{self.max_waiting}; lower it or raise max_waiting")
-        from .scheduler.policy import POLICIES
-
         self.scheduling_policy = str(self.scheduling_policy).lower()
         if self.scheduling_policy not in POLICIES:
             raise ConfigError(f"scheduling_policy {self.scheduling_policy!r} unknown; choose one of {', '.join(POLICIES)}")
@@ -125,6 +131,16 @@ class EngineConfig:
         if self.max_batch_tokens is not None:
             return self.max_batch_tokens
         return DEFAULT_MAX_BATCH_TOKENS["cuda" if self.device.startswith("cuda") else "cpu"]
+
+    def cache_budget_for(self, free_bytes: int) -> int:
+        """cache_budget_bytes, or DEFAULT_CACHE_FRACTION of the memory free at start."""
+        if self.cache_budget_bytes is not None:
+            return self.cache_budget_bytes
+        return int(DEFAULT_CACHE_FRACTION * free_bytes)
+
+    def activation_budget_for(self, free_bytes: int, cache_bytes: int) -> int:
+        """activation_budget_bytes, or DEFAULT_ACTIVATION_FRACTION of what the cache leaves free."""
+        return self.activation_budget_bytes or int(DEFAULT_ACTIVATION_FRACTION * max(0, free_bytes - cache_bytes))
 
     @classmethod
     def default_of(cls, name: str):

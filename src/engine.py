@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import PrefixCache
+from .cache.prefix_cache import PrefixCache
 from .completions import CompletionThread
 from .config import EngineConfig
 from .default_model import ensure_default_model
@@ -48,10 +48,6 @@ from .weights import ModelWeights
 
 log = logging.getLogger("prefillonly")
 
-# Shares of the memory free at start-up that the defaults may use: the prefix-KV pool first,
-# then the activation budget out of what is left.
-_DEFAULT_CACHE_FRACTION = 0.2
-_DEFAULT_BUDGET_FRACTION = 0.9
 _RECENT_STEPS = 256  # step sizes kept for the metrics' histograms (read far more often than this fills)
 
 
@@ -81,11 +77,9 @@ class Engine:
                 self.max_input_len, self.spec.context_length,
             )
         free = available_memory_bytes(self.device)
-        cache_bytes = config.cache_budget_bytes
-        if cache_bytes is None:
-            cache_bytes = int(_DEFAULT_CACHE_FRACTION * free)
+        cache_bytes = config.cache_budget_for(free)
         # the pool's pages are counted now even where the OS maps them lazily (CPU)
-        self.activation_budget_bytes = config.activation_budget_bytes or int(_DEFAULT_BUDGET_FRACTION * max(0, free - cache_bytes))
+        self.activation_budget_bytes = config.activation_budget_for(free, cache_bytes)
         self.cache = self._make_cache(cache_bytes)
         executor.forward(torch.zeros(8, dtype=torch.long), config.chunk_size)  # warm-up
         self.jct = JctEstimator(fallback_s_per_token=self._time_per_token())

@@ -25,7 +25,6 @@ import torch
 from .prefix_io import CaptureSink, KVSink, PrefixKV, PrefixSource, Sinks
 from .kernels.ops import add_rms_norm_, rms_norm_needs_scratch, rope_qkv_into, rope_table_dtype
 from .kernels import add_linear_, causal_attention, causal_attention_inplace, linear_into, rms_norm_into, swiglu_into
-from .kernels import triton_support
 from .kernels.attention import cpu_flash_applies, triton_covers
 from .model_spec import ModelSpec
 from .rope import RotaryTable
@@ -192,7 +191,9 @@ class HybridPrefillExecutor:
                 pool = pool or pg[0]
                 pg = pg if pg[0] is pool else None
             paged.append(pg)
-        attention = triton_support.attention_module().BatchAttention(
+        from .kernels import triton_attention  # imported where chosen: it imports triton
+
+        attention = triton_attention.BatchAttention(
             batch.row_starts, [s.new_tokens for s in batch.sequences], batch.kv_starts,
             [s.prefix_tokens for s in batch.sequences], paged, self.scale, self.device)
         return attention, paged

@@ -169,7 +169,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.backend = resolve_backend(args.attention_backend, torch.device("cpu")) if args.system == "prefillonly" else None
     if not (args.model or args.random_config):
-        from .config import default_cache_dir
+        from .paths import default_cache_dir
         from .default_model import ensure_default_model
 
         args.model = ensure_default_model(default_cache_dir())

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import PrefixCache
+from .cache.prefix_cache import PrefixCache
 from .cache.prefix_cache import CacheTicket
 from .stats import EngineCounters
 from .prefix_io import PrefixKV

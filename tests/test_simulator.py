@@ -384,7 +384,7 @@ def test_sim_engine_caches_exactly_as_the_engines_prefix_cache():
     import numpy as np
     import torch
 
-    from prefillonly.cache import PrefixCache
+    from prefillonly.cache.prefix_cache import PrefixCache
     from prefillonly.cache.kv_pool import KVPool
 
     work = sim.post_rec_workload(SMALL_POST_REC, seed=3)

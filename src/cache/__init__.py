@@ -6,9 +6,7 @@ index.py       PrefixIndex: tensor-free bookkeeping (hashes, refs, LRU, tiers) a
 kv_pool.py     KVPool: preallocated K/V slots
 prefix_cache.py PrefixCache: begin/commit/abort around one forward, with the pool-backed
                source and sink of the executor's protocols (prefix_io.py)
+
+Nothing is imported here: the tensor-free half (index.py, block_hash.py) loads without torch,
+which the scheduler and the simulator rely on.
 """
-
-from .index import CacheStats, IndexTicket, PrefixIndex
-from .prefix_cache import CacheTicket, PrefixCache
-
-__all__ = ["CacheStats", "IndexTicket", "PrefixIndex", "CacheTicket", "PrefixCache"]

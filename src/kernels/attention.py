@@ -1,8 +1,11 @@
 """Causal attention over a whole sequence (hybrid prefill never chunks attention).
 
-One entry point, `causal_attention`, used by the executor for every layer. Queries may be a
-suffix of the keys (cached prefix K/V followed by fresh K/V): query i sits at key position
-i + (Lk - Lq) and sees keys 0..i + (Lk - Lq) (bottom-right-aligned causal mask).
+The executor attends through one of three paths, chosen per step: `causal_attention` (a new
+output tensor), `causal_attention_inplace` (written over Q: the memory-saving path, and always
+cpu_flash's), or, where `triton_covers` says so, the Triton kernel's batch launch
+(triton_attention.BatchAttention: every sequence of the step at once). Queries may be a suffix of
+the keys (cached prefix K/V followed by fresh K/V): query i sits at key position i + (Lk - Lq)
+and sees keys 0..i + (Lk - Lq) (bottom-right-aligned causal mask).
 No S x S mask is ever built (docs/design.md §13).
 
 Backends:

@@ -45,7 +45,9 @@ def _triton_ops(t: torch.Tensor):
     """triton_ops when its kernels take tensors like `t` and no compiled CPU kernel does (those
     keep precedence), else None: the one rule every wrapper below follows."""
     if compiled_ops(t) is None and triton_support.applies(t):
-        return triton_support.ops_module()
+        from . import triton_ops  # imported where chosen: it imports triton, absent on most CPU hosts
+
+        return triton_ops
     return None
 
 

@@ -55,17 +55,3 @@ def applies(t: torch.Tensor) -> bool:
 def attention_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     return dtype in KERNEL_DTYPES and head_dim in ATTENTION_HEAD_DIMS and runs_on(device)
 
-
-@functools.lru_cache(maxsize=None)
-def ops_module():
-    """prefillonly.kernels.triton_ops, imported on first use (it imports triton)."""
-    from . import triton_ops
-
-    return triton_ops
-
-
-@functools.lru_cache(maxsize=None)
-def attention_module():
-    from . import triton_attention
-
-    return triton_attention

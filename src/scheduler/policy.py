@@ -29,7 +29,6 @@ import itertools
 import time
 from collections.abc import Callable
 
-from ..config import EngineConfig
 from ..errors import OverloadedError
 from .groups import group_costs
 from .jct import JctEstimator
@@ -37,9 +36,9 @@ from .plan import StepBudget, StepMember, StepPlan, TokenSplit, WaitingRequest
 from .prefix_view import NoPrefixCache, PrefixView
 
 POLICIES = ("fcfs", "sjf", "csjf", "csjf-independent")
-# the engine's defaults, for callers that build a Scheduler without an EngineConfig
-DEFAULT_LAMBDA_TOKENS_PER_S = EngineConfig.default_of("lambda_tokens_per_s")
-DEFAULT_MAX_WAITING = EngineConfig.default_of("max_waiting")
+# The scheduler's own defaults; EngineConfig reads them (its settings of the same names).
+DEFAULT_LAMBDA_TOKENS_PER_S = 500.0  # the paper's starvation guard: tokens of credit per second waited
+DEFAULT_MAX_WAITING = 1024  # waiting requests beyond this are refused at once ("overloaded")
 
 
 class Scheduler:

@@ -29,7 +29,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Mapping
 
-from ..config import default_cache_dir
+from ..paths import default_cache_dir
 
 TRITON_SERVER_VERSION = "2.51.0"  # the server inside nvidia-pytriton==0.7.0
 
@@ -43,7 +43,7 @@ class ServerError(RuntimeError):
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    """`cache_dir`, by default config.default_cache_dir() (where the converted default model lives)."""
+    """`cache_dir`, by default paths.default_cache_dir() (where the converted default model lives)."""
     return Path(cache_dir) if cache_dir is not None else Path(default_cache_dir())
 
 
