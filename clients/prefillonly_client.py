@@ -35,7 +35,7 @@ import urllib.request
 import numpy as np
 
 MODEL = "prefillonly"
-USER_HEADER = "x-prefillonly-user"  # prefillonly.serving.envoy.USER_HEADER (this file stands alone)
+USER_HEADER = "x-prefillonly-user"  # prefillonly.serving.host.envoy.USER_HEADER (this file stands alone)
 
 
 class PrefillOnlyClientError(RuntimeError):

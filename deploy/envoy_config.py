@@ -8,7 +8,7 @@
 
 Routing (--routing, default affinity): requests with the x-prefillonly-user header are hashed on
 it (--lb RING_HASH or MAGLEV, bounded by --hash-balance-factor percent of the mean load), the rest
-go to the least-loaded replica; see prefillonly/serving/envoy.py for retries, health checks and
+go to the least-loaded replica; see src/serving/host/envoy_config.py for retries, health checks and
 outlier detection. The config is checked with the real `envoy --mode validate` unless --no-validate.
 """
 
@@ -18,8 +18,7 @@ import argparse
 import json
 import sys
 
-from prefillonly.serving.envoy import (AFFINITY_LB, DEFAULT_HASH_BALANCE_FACTOR, DEFAULT_MAX_REQUEST_BYTES, ROUTINGS,
-                                       FrontDoor, Upstream, envoy_config, validate_config)
+from prefillonly.serving.host.envoy_config import AFFINITY_LB, DEFAULT_HASH_BALANCE_FACTOR, DEFAULT_MAX_REQUEST_BYTES, ROUTINGS, FrontDoor, Upstream, envoy_config, validate_config
 
 
 def _upstream(text: str) -> Upstream:

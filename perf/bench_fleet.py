@@ -40,9 +40,10 @@ from pathlib import Path
 from perf import benchutil as bu
 from perf import harness
 from perf import workloads as wl
-from prefillonly.serving.envoy import REPLICA_HEADER, USER_HEADER, EnvoyProxy, FrontDoor, Upstream
-from prefillonly.serving.fleet import LocalFleet
-from prefillonly.serving.testing import copy_model_repository
+from prefillonly.serving.host.envoy_config import REPLICA_HEADER, USER_HEADER, FrontDoor, Upstream
+from prefillonly.serving.host.envoy import EnvoyProxy
+from prefillonly.serving.host.fleet import LocalFleet
+from prefillonly.serving.host.model_settings import copy_model_repository
 
 SECTION = "## Fleet behind Envoy"
 REPO = bu.REPO_ROOT / "model_repository"

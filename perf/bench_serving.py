@@ -54,9 +54,9 @@ import numpy as np
 from perf import benchutil as bu
 from perf import perf_analyzer_inputs as pai
 from perf import workloads as wl
-from prefillonly.serving import prometheus
-from prefillonly.serving.model_settings import engine_settings
-from prefillonly.serving.server_tree import TRITON_SERVER_VERSION
+from prefillonly.serving.host import prometheus
+from prefillonly.serving.host.model_settings import engine_settings
+from prefillonly.serving.host.server_tree import TRITON_SERVER_VERSION
 
 SECTION = "## Serving"
 MODEL, SYNC_MODEL = "prefillonly", "prefillonly_sync"
@@ -501,7 +501,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     from perf.perf_analyzer import perf_analyzer_path
-    from prefillonly.serving.triton_server import TritonServer
+    from prefillonly.serving.host.triton_server import TritonServer
 
     out_root = bu.PERF_DIR if a.scale == "cpu" and not q else bu.PERF_DIR / "out" / (a.scale + ("_quick" if q else ""))
     out_dir = out_root / "results" / "serving"

@@ -23,7 +23,7 @@ What each part compares (same trace files = identical token ids, one dtype (--dt
             cache it would recompute every profile of the post-rec trace (bench_prefix's
             ours/no-cache row is that number).
   load      servers through ONE client harness (perf/harness.py): our Triton model over gRPC
-            streaming (src/serving/triton_server.py) vs vLLM's OpenAI-compatible server; the same
+            streaming (src/serving/host/triton_server.py) vs vLLM's OpenAI-compatible server; the same
             Poisson arrival times for both at each level; a fresh server per (system, level)
             so no level starts with the previous level's prefixes cached.
   mil       docs/design.md §7's max input length at 1 GiB, with the lengths tried and how.
@@ -47,7 +47,7 @@ from pathlib import Path
 
 from perf import benchutil as bu
 from perf import workloads as wl
-from prefillonly.serving.server_tree import TRITON_SERVER_VERSION
+from prefillonly.serving.host.server_tree import TRITON_SERVER_VERSION
 
 SECTION = "## Evaluation vs vLLM"
 WORKLOADS = ("post_rec", "credit")
@@ -348,7 +348,7 @@ def our_model_repository(args, policy: str | None = None) -> Path:
         params["max_batch_tokens"] = str(args.max_batch_tokens)
     import shutil
 
-    from prefillonly.serving.testing import copy_model_repository
+    from prefillonly.serving.host.model_settings import copy_model_repository
 
     dest = work_dir(args) / "model_repository"
     shutil.rmtree(dest, ignore_errors=True)
@@ -362,7 +362,7 @@ def run_level(system: str, timed: wl.Trace, qps: float, args) -> dict:
     log_path.unlink(missing_ok=True)
     t0 = time.perf_counter()
     if system == "ours" or system in OURS_WITH_POLICY:
-        from prefillonly.serving.triton_server import TritonServer
+        from prefillonly.serving.host.triton_server import TritonServer
 
         server = TritonServer().start(our_model_repository(args, OURS_WITH_POLICY.get(system)), log_path=log_path)
         stop = server.stop

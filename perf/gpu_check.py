@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from perf import benchutil as bu
 from prefillonly.executor import ForwardBatch, HybridPrefillExecutor, Sequence
-from prefillonly.kernels import triton_support
+from prefillonly.kernels import gpu_support
 from prefillonly.memory import PeakMemoryMeter, predict_peak_bytes
 from prefillonly.model_spec import ModelSpec
 from prefillonly.weights import ModelWeights
@@ -49,7 +49,7 @@ H200_DATASHEET_BF16_FLOPS = 989e12  # dense bf16, the datasheet peak
 
 def backends(device: torch.device) -> list[str]:
     """The attention backends compared side by side: the Triton kernels (where they run) and torch's SDPA."""
-    return (["triton"] if triton_support.runs_on(device) else []) + ["sdpa"]
+    return (["triton"] if gpu_support.runs_on(device) else []) + ["sdpa"]
 CARD_BYTES = 141e9  # H200 memory as sold
 USABLE_FRACTION = 0.9  # share of the card a deployment would give the engine
 
@@ -468,11 +468,11 @@ def measure_warm_requests(report: Report, plan: Plan, matmul_rate: float | None)
 
 def tune_attention_tiles(report: Report, plan: Plan) -> None:
     """Pick the Triton attention's tiles for this GPU on an 8K-token 8B-shape prompt, before
-    anything is timed (the choice is cached on disk; see kernels/triton_tuning.py)."""
+    anything is timed (the choice is cached on disk; see kernels/gpu_tuning.py)."""
     if "triton" not in backends(plan.device) or plan.device.type != "cuda":
         return
-    from prefillonly.kernels.triton_attention import BatchLayout, prefill_attention
-    from prefillonly.kernels.triton_tuning import tune_attention
+    from prefillonly.kernels.gpu_attention import BatchLayout, prefill_attention
+    from prefillonly.kernels.gpu_tuning import tune_attention
 
     spec = ModelSpec.from_hf_config(llama31_8b_config(**plan.perf_shape))
     dev, n = plan.device, min(8192, max(plan.perf_lengths))

@@ -20,7 +20,7 @@ The same code drives every system, so what differs between two latency curves is
 Backends: TritonGrpcBackend (our Triton model over gRPC streaming, through
 clients/prefillonly_client.py), VllmOpenAIBackend (vLLM's OpenAI-compatible /v1/completions with
 prompt token ids, max_tokens=1, logprobs, allowed_token_ids). Tests use a fake in-process backend.
-`prefix_hit_counters` reads the servers' metrics endpoints (prefillonly.serving.prometheus).
+`prefix_hit_counters` reads the servers' metrics endpoints (prefillonly.serving.host.prometheus).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from perf import workloads as wl
-from prefillonly.serving import prometheus
+from prefillonly.serving.host import prometheus
 
 MAX_CLIENT_THREADS = 512  # more in flight than this queue in the client (and count as latency)
 

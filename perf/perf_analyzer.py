@@ -24,7 +24,7 @@ import zipfile
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from prefillonly.serving.server_tree import (TRITON_SERVER_VERSION, ServerError, atomic_build, cache_root,
+from prefillonly.serving.host.server_tree import (TRITON_SERVER_VERSION, ServerError, atomic_build, cache_root,
                                              pytriton_libs_dir, short_hash)
 
 PERF_ANALYZER_REQUIREMENT = f"tritonclient=={TRITON_SERVER_VERSION}"

@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from perf import benchutil as bu
-from prefillonly.serving.server_tree import TRITON_SERVER_VERSION
+from prefillonly.serving.host.server_tree import TRITON_SERVER_VERSION
 
 SECTION = "## Reliability"
 MODEL, SYNC_MODEL = "prefillonly", "prefillonly_sync"
@@ -84,9 +84,9 @@ class Stack:
         self._watcher = None
 
     def __enter__(self) -> "Stack":
-        from prefillonly.serving.addresses import free_ports
-        from prefillonly.serving.supervisor import ServeOptions, Supervisor
-        from prefillonly.serving.testing import copy_model_repository
+        from prefillonly.serving.host.addresses import free_ports
+        from prefillonly.serving.host.supervisor import ServeOptions, Supervisor
+        from prefillonly.serving.host.model_settings import copy_model_repository
 
         self._tmp = tempfile.mkdtemp(prefix="prefillonly-reliability-")
         repo = copy_model_repository(REPO, Path(self._tmp) / "repo", **self.parameters)
@@ -154,7 +154,7 @@ class Stack:
 
     def health(self) -> dict:
         """Is everything still up, has nothing restarted, does a good request get an answer?"""
-        from prefillonly.serving.process import process_alive
+        from prefillonly.serving.host.process import process_alive
 
         answer = http_generate(self.http_url, {"text_input": "Is the sky blue? Answer:", "allowed_tokens": YES_NO}, 60)
         return {"tritonserver_running": self.sup.server.poll() is None,
@@ -770,7 +770,7 @@ class Sampler(threading.Thread):
             self.done.wait(max(0.0, self.interval - (time.monotonic() - started)))
 
     def sample(self) -> dict:
-        from prefillonly.serving.testing import scrape_metrics
+        from prefillonly.serving.host.prometheus import scrape_metrics
 
         row = {"t_s": round(time.monotonic() - self.t0, 2)}
         for role, pids in self.stack.processes().items():
@@ -1085,7 +1085,7 @@ def tally(answers: list) -> dict:
 
 def fault_kill_engine(out_dir: Path, dtype: str, timeout: float) -> dict:
     """kill -9 of the engine's process with requests in flight (HTTP generate and gRPC streams)."""
-    from prefillonly.serving.probe import ready_status
+    from prefillonly.serving.host.probe import ready_status
 
     with Stack(out_dir, "fault-kill", dtype=dtype) as stack:
         url, grpc = stack.http_url, stack.grpc_url
@@ -1165,7 +1165,7 @@ def render(out_dir: Path, results_md: Path, meta: dict) -> str:
     lines = ["Written by `python -m perf.reliability [matrix|faults|soak|all]` (each phase's own command below)  ",
              f"Date: {meta['date']}  ", f"Machine: {bu.machine_line(meta['machine'])}  ",
              f"Stack: Envoy (front door: body limit max_request_bytes = {meta['max_request_bytes']:,} bytes, header stripping) -> tritonserver {TRITON_SERVER_VERSION} (nvidia-pytriton wheel) "
-             f"under the serve supervisor (prefillonly.serving.supervisor, watchdog on), model_repository/ with the default "
+             f"under the serve supervisor (prefillonly.serving.host.supervisor, watchdog on), model_repository/ with the default "
              f"model (SmolLM2-135M), dtype {meta['dtype']}" + DTYPE_WHY.get(meta["dtype"], "") + ", other engine settings as "
              f"in config.pbtxt (default cache budget, default thread count). Raw data: `{meta['out_rel']}/`.", ""]
     if matrix:
@@ -1219,7 +1219,7 @@ def main(argv: list[str]) -> int:
 
     import torch
 
-    from prefillonly.serving.envoy import DEFAULT_MAX_REQUEST_BYTES
+    from prefillonly.serving.host.envoy_config import DEFAULT_MAX_REQUEST_BYTES
 
     meta = {"command": bu.command_line(), "date": bu.now_iso(), "dtype": args.dtype, "max_request_bytes": DEFAULT_MAX_REQUEST_BYTES,
             "machine": bu.machine_info(torch.get_num_threads()),

@@ -5,7 +5,7 @@ Per layer:
      each sequence's own positions, written into that sequence's Q/K/V segment;
   B. attention per sequence, over its whole length at once (kernels.causal_attention), its
      cached prefix K/V first; on the Triton backend one launch for the whole batch, reading
-     pool-backed prefixes in place (kernels.triton_attention);
+     pool-backed prefixes in place (kernels.gpu_attention);
   C. per token chunk: o_proj + residual add, RMSNorm, fused gate/up matmul, SwiGLU, down_proj
      + residual add, in place on the residual stream.
 The B sequences of a ForwardBatch are packed row after row: the per-token ops (all the
@@ -191,9 +191,9 @@ class HybridPrefillExecutor:
                 pool = pool or pg[0]
                 pg = pg if pg[0] is pool else None
             paged.append(pg)
-        from .kernels import triton_attention  # imported where chosen: it imports triton
+        from .kernels import gpu_attention  # imported where chosen: it imports triton
 
-        attention = triton_attention.BatchAttention(
+        attention = gpu_attention.BatchAttention(
             batch.row_starts, [s.new_tokens for s in batch.sequences], batch.kv_starts,
             [s.prefix_tokens for s in batch.sequences], paged, self.scale, self.device)
         return attention, paged

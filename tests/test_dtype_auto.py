@@ -78,7 +78,7 @@ def test_float16_stays_cuda_only_and_bad_dtypes_name_auto():
 def test_engine_with_auto_equals_the_explicit_dtype_it_resolved_to(default_model_path, caplog):
     """The default config's engine (dtype auto) computes exactly what one built with the dtype
     auto chose does, and reports the choice: start-up log, stats(), the metrics' info labels."""
-    from prefillonly.serving.metrics import engine_info_labels
+    from prefillonly.serving.model.metrics import engine_info_labels
 
     want, reason = resolve_dtype("auto", "cpu", cpu_flags())
     prompt, allowed = "Is the sky blue on a clear day? Answer:", [" Yes", " No", " Maybe"]

@@ -1,4 +1,4 @@
-"""The Envoy front door (prefillonly.serving.envoy) with the real envoy binary: its config passes
+"""The Envoy front door (prefillonly.serving.host.envoy) with the real envoy binary: its config passes
 `envoy --mode validate`; in front of a tiny HTTP upstream it refuses oversized bodies (sized or
 chunked) with 413 and Triton's JSON error shape, strips triton_grpc_error, and answers 503
 "unavailable" when the upstream is gone; in front of a real tritonserver HTTP generate, a gRPC
@@ -18,9 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prefillonly.serving.envoy import (ProxyError, EnvoyProxy, FrontDoor, Upstream, envoy_config, validate_config)
-from prefillonly.serving.addresses import free_ports
-from prefillonly.serving.testing import copy_model_repository, post_json, running_server
+from prefillonly.serving.host.envoy_config import ProxyError, FrontDoor, Upstream, envoy_config, validate_config
+from prefillonly.serving.host.envoy import EnvoyProxy
+from prefillonly.serving.host.addresses import free_ports
+from clients.transport import post_json
+from prefillonly.serving.host.model_settings import copy_model_repository
+from prefillonly.serving.host.triton_server import running_server
 
 REPO = Path(__file__).resolve().parents[1] / "model_repository"
 LIMIT = 100_000

@@ -1,5 +1,5 @@
 """Faults a hostile or unlucky client can cause, against the real serve stack (Envoy in front of a
-real tritonserver, supervised: prefillonly.serving.supervisor) on the small random-weight model.
+real tritonserver, supervised: prefillonly.serving.host.supervisor) on the small random-weight model.
 
 Each test reproduces one defect the server had and asserts the fixed behaviour: bodies over
 ~4 MiB crashed Triton; the `triton_grpc_error` header crashed it; a killed engine was never
@@ -27,11 +27,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prefillonly.serving.addresses import free_ports
-from prefillonly.serving.probe import ready_status
-from prefillonly.serving.supervisor import ServeOptions, Supervisor
-from prefillonly.serving.testing import copy_model_repository, post_json
-from prefillonly.serving.triton_server import ADMIN_KEY_HEADER
+from prefillonly.serving.host.addresses import free_ports
+from prefillonly.serving.host.probe import ready_status
+from prefillonly.serving.host.supervisor import ServeOptions, Supervisor
+from clients.transport import post_json
+from prefillonly.serving.host.model_settings import copy_model_repository
+from prefillonly.serving.host.triton_server import ADMIN_KEY_HEADER
 
 from .test_triton_lifecycle import in_background
 
@@ -242,7 +243,7 @@ def test_fuzzed_requests_each_get_one_final_response(front):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from prefillonly.serving.protocol import INPUTS
+    from prefillonly.serving.model.protocol import INPUTS
 
     names = st.sampled_from(list(INPUTS) + ["bogus", "text_input"])
     scalars = st.one_of(st.text(max_size=40), st.integers(-2**63, 2**63 - 1), st.booleans(), st.none(),

@@ -1,6 +1,6 @@
 """A fleet on loopback: 3 real tritonserver replicas (small random-weight model, one thread each,
 each replica's prefix cache sized for a third of the test users' profiles) behind a real Envoy
-with user-affinity routing (prefillonly.serving.fleet). Results through Envoy equal a replica's
+with user-affinity routing (prefillonly.serving.host.fleet). Results through Envoy equal a replica's
 own, a user's requests stay on one replica, affinity at least doubles the fleet's hit rate, and
 a SIGKILLed replica leaves rotation while every request still gets one final answer."""
 
@@ -18,9 +18,10 @@ import torch
 
 from prefillonly.cache.kv_pool import KVPool
 from prefillonly.model_spec import ModelSpec
-from prefillonly.serving.envoy import REPLICA_HEADER, USER_HEADER
-from prefillonly.serving.fleet import LocalFleet
-from prefillonly.serving.testing import copy_model_repository, scrape_metrics
+from prefillonly.serving.host.envoy_config import REPLICA_HEADER, USER_HEADER
+from prefillonly.serving.host.fleet import LocalFleet
+from prefillonly.serving.host.model_settings import copy_model_repository
+from prefillonly.serving.host.prometheus import scrape_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 REPO = ROOT / "model_repository"

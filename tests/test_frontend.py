@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from prefillonly.frontend.presets import PRESETS_FILE
-from prefillonly.serving.testing import scrape_metrics
+from prefillonly.serving.host.prometheus import scrape_metrics
 
 from .test_faults import REPO, supervised
 from .test_frontend_presets import published_qwen3_ids

@@ -15,7 +15,7 @@ import pytest
 from perf import eval as perf_eval
 from perf import harness
 from perf import workloads as wl
-from prefillonly.serving.prometheus import parse as parse_prometheus
+from prefillonly.serving.host.prometheus import parse as parse_prometheus
 
 SCALE = wl.PostRecScale(users=4, posts_per_user=3, profile_mean=40, post_mean=10, post_std=2, post_clip=(6, 14))
 

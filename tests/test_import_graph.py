@@ -15,12 +15,13 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "prefillonly"
 
-# Modules that must not need torch: the scheduler, the cache's bookkeeping and the wire protocol
-# are plain data (the simulator and the Triton model's adapter rely on that), and so are the
-# frontend's request shapes and the host-side process code.
-TENSOR_FREE = ("prefillonly.scheduler", "prefillonly.cache.index", "prefillonly.serving.protocol",
-               "prefillonly.serving.inflight", "prefillonly.hardware", "prefillonly.frontend.schemas",
-               "prefillonly.serving.envoy", "prefillonly.serving.supervisor")
+# Modules that must not need torch: the scheduler, the cache's bookkeeping and everything in
+# serving/ (the wire protocol and the model's bookkeeping are plain data; the host processes run
+# where the engine does not) are read by the simulator, the Triton model's adapter and the serve
+# supervisor without loading a model; so are the frontend's request shapes.
+TENSOR_FREE = ("prefillonly.scheduler", "prefillonly.cache.index", "prefillonly.hardware", "prefillonly.frontend.schemas",
+               *sorted(f"prefillonly.serving.{p.parent.name}.{p.stem}" for p in SRC.glob("serving/*/*.py")
+                       if p.stem != "__init__"))
 
 
 def module_files(root: Path, package: str) -> dict[str, Path]:
@@ -118,6 +119,7 @@ def test_the_walker_finds_a_circle_through_a_lazy_import(tmp_path):
 
 
 def test_tensor_free_modules_load_without_torch():
+    assert "prefillonly.serving.model.protocol" in TENSOR_FREE and "prefillonly.serving.host.supervisor" in TENSOR_FREE
     # one fresh interpreter: the first module whose import pulls torch in is named
     script = ("import importlib, sys\n"
               f"for name in {TENSOR_FREE!r}:\n"

@@ -1,4 +1,4 @@
-"""Requests in flight (prefillonly.serving.inflight): when_all_done's one callback and the
+"""Requests in flight (prefillonly.serving.model.inflight): when_all_done's one callback and the
 InFlightWatcher's cancellation poll, with real Futures completed from real threads. Triton's
 request object is stood in for by a class with its is_cancelled()."""
 
@@ -10,7 +10,7 @@ from concurrent.futures import CancelledError, Future
 
 import pytest
 
-from prefillonly.serving.inflight import InFlightWatcher, PendingRequest, when_all_done
+from prefillonly.serving.model.inflight import InFlightWatcher, PendingRequest, when_all_done
 
 INTERVAL_S = 0.01
 

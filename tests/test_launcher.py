@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from perf.perf_analyzer import PerfAnalyzerUnavailable, perf_analyzer_env, perf_analyzer_path
-from prefillonly.serving.server_tree import ServerError, prepare_server_dir
-from prefillonly.serving.triton_server import TritonServer
-from prefillonly.serving.testing import running_server, write_echo_model
+from prefillonly.serving.host.server_tree import ServerError, prepare_server_dir
+from prefillonly.serving.host.triton_server import TritonServer
+from prefillonly.serving.host.triton_server import running_server
+from tests.echo_model import write_echo_model
 
 TEXT = "héllo, prefill wörld"
 

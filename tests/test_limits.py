@@ -12,7 +12,7 @@ import pytest
 from prefillonly import EngineConfig
 from prefillonly.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from prefillonly.limits import max_token_bytes
-from prefillonly.serving.protocol import parse_request
+from prefillonly.serving.model.protocol import parse_request
 
 
 def _random_texts(seed: int):

@@ -13,7 +13,7 @@ import pytest
 
 from perf import perf_analyzer_inputs as pai
 from perf import workloads as wl
-from prefillonly.serving.protocol import INPUTS
+from prefillonly.serving.model.protocol import INPUTS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,14 +75,14 @@ def test_cli_writes_the_file(tmp_path, capsys):
 
 # -- a real perf_analyzer run against a real server -------------------------------------------------
 def _failures(server) -> dict[str, float]:
-    from prefillonly.serving.testing import scrape_metrics
+    from prefillonly.serving.host.prometheus import scrape_metrics
 
     return scrape_metrics(server.metrics_url, prefixes=("nv_inference_request_failure{",))
 
 
 def test_perf_analyzer_on_both_models_with_trace_inputs_has_zero_errors(tmp_path):
     from perf.perf_analyzer import PerfAnalyzerUnavailable, perf_analyzer_path, read_perf_analyzer_csv, run_perf_analyzer
-    from prefillonly.serving.testing import running_server
+    from prefillonly.serving.host.triton_server import running_server
 
     try:
         perf_analyzer_path()

@@ -1,4 +1,4 @@
-"""The Triton model's wire format (prefillonly.serving.protocol), without a server."""
+"""The Triton model's wire format (prefillonly.serving.model.protocol), without a server."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from prefillonly import InvalidRequestError
 from prefillonly.result import ScoreResult, TokenScore
-from prefillonly.serving.protocol import parse_request, results_to_outputs
+from prefillonly.serving.model.protocol import parse_request, results_to_outputs
 
 
 def b(*texts):

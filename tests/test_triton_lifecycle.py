@@ -13,7 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prefillonly.serving.testing import copy_model_repository, post_json, running_server, scrape_metrics
+from clients.transport import post_json
+from prefillonly.serving.host.model_settings import copy_model_repository
+from prefillonly.serving.host.prometheus import scrape_metrics
+from prefillonly.serving.host.triton_server import running_server
 
 REPO = Path(__file__).resolve().parents[1] / "model_repository"
 LONG = [5] * 8000  # token ids: a few seconds of work on one thread on the small model

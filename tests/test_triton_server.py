@@ -15,7 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prefillonly.serving.testing import copy_model_repository, post_json, running_server, scrape_metrics
+from clients.transport import post_json
+from prefillonly.serving.host.model_settings import copy_model_repository
+from prefillonly.serving.host.prometheus import scrape_metrics
+from prefillonly.serving.host.triton_server import running_server
 
 REPO = Path(__file__).resolve().parents[1] / "model_repository"
 PROMPT = "Is the sky blue on a clear day? Answer:"
@@ -196,7 +199,7 @@ def test_default_model_over_http_generate(tmp_path):
     the shipped config's dtype ("auto": what this host resolves it to), reported by the model."""
     from prefillonly import Engine, EngineConfig
     from prefillonly.hardware import cpu_flags, resolve_dtype
-    from prefillonly.serving import prometheus
+    from prefillonly.serving.host import prometheus
 
     assert 'key: "dtype" value: { string_value: "auto" }' in (REPO / "prefillonly" / "config.pbtxt").read_text()
     dtype, reason = resolve_dtype("auto", "cpu", cpu_flags())
@@ -216,7 +219,7 @@ def test_default_model_over_http_generate(tmp_path):
 
 def test_error_status_by_code():
     from prefillonly.errors import InvalidRequestError, OverloadedError
-    from prefillonly.serving.protocol import error_reply
+    from prefillonly.serving.model.protocol import error_reply
 
     assert error_reply(OverloadedError("1 requests already waiting")) == ("UNAVAILABLE", "overloaded: 1 requests already waiting")
     assert error_reply(InvalidRequestError("missing prompt")) == ("INVALID_ARG", "invalid_request: missing prompt")
@@ -226,7 +229,7 @@ def test_error_status_by_code():
 
 def test_forwarder_knows_the_same_retry_later_codes():
     """The forwarder cannot import prefillonly (no torch in its 8 stubs): its copy must agree."""
-    from prefillonly.serving.protocol import RETRY_LATER_CODES
+    from prefillonly.serving.model.protocol import RETRY_LATER_CODES
 
     tree = ast.parse((REPO / "prefillonly_sync" / "1" / "model.py").read_text())
     copy = next(ast.literal_eval(n.value) for n in tree.body

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..serving.model_settings import engine_settings
+from ..serving.host.model_settings import engine_settings
 from .presets import PRESETS_FILE, TemplateTokenizer, load_presets
 from .scoring import Limits, Scoring
 from .upstream import TritonUpstream

@@ -24,8 +24,8 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from ..serving.envoy import USER_HEADER  # the front door's affinity key
-from ..serving.protocol import RETRY_LATER_CODES as ENGINE_RETRY_LATER_CODES
+from ..serving.host.envoy_config import USER_HEADER  # the front door's affinity key
+from ..serving.model.protocol import RETRY_LATER_CODES as ENGINE_RETRY_LATER_CODES
 
 # codes whose requests may succeed later or elsewhere (the engine's, and a Triton or connection
 # that is not there right now): the HTTP answer is 503

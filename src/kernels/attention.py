@@ -3,7 +3,7 @@
 The executor attends through one of three paths, chosen per step: `causal_attention` (a new
 output tensor), `causal_attention_inplace` (written over Q: the memory-saving path, and always
 cpu_flash's), or, where `triton_covers` says so, the Triton kernel's batch launch
-(triton_attention.BatchAttention: every sequence of the step at once). Queries may be a suffix of
+(gpu_attention.BatchAttention: every sequence of the step at once). Queries may be a suffix of
 the keys (cached prefix K/V followed by fresh K/V): query i sits at key position i + (Lk - Lq)
 and sees keys 0..i + (Lk - Lq) (bottom-right-aligned causal mask).
 No S x S mask is ever built (docs/design.md §13).
@@ -14,7 +14,7 @@ Backends:
                up to 256; bf16 on the CPU's bf16 dot product where it has one (AVX512_BF16,
                self-checked), else float32 FMAs; it writes its output over Q (no second
                [Hq, S, D] tensor). Calls it does not cover (other dtypes or head dims) run on sdpa.
-  "triton"     our Triton-language kernel (triton_attention.py), CUDA (or CPU under Triton's
+  "triton"     our Triton-language kernel (gpu_attention.py), CUDA (or CPU under Triton's
                interpreter): the whole batch in one launch, cached prefixes read in place from
                the prefix pool's blocks, output over Q; bfloat16 / float16, head_dim a power of
                two 16..256. Calls it does not cover run on sdpa.
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from . import cpu_ext, triton_support
+from . import cpu_ext, gpu_support
 
 BACKENDS = ("auto", "sdpa", "flash_attn", "cpu_flash", "triton")
 log = logging.getLogger("prefillonly")
@@ -73,7 +73,7 @@ def resolve_backend(backend: str, device: torch.device, shape: AttentionShape | 
             if shape is not None and cpu_flash_covers("cpu_flash", device, shape.dtype, shape.head_dim):
                 return choose_cpu_backend(shape)
             return "cpu_flash"
-        if device.type == "cuda" and triton_support.runs_on(device):
+        if device.type == "cuda" and gpu_support.runs_on(device):
             return "triton"
         return "flash_attn" if device.type == "cuda" and flash_attn_available() else "sdpa"
     if backend == "flash_attn" and not (device.type == "cuda" and flash_attn_available()):
@@ -81,9 +81,9 @@ def resolve_backend(backend: str, device: torch.device, shape: AttentionShape | 
     if backend == "cpu_flash" and (device.type != "cpu" or cpu_ext.load_attention() is None):
         why = "it runs on CPU only" if device.type != "cpu" else cpu_ext.why_attention_unavailable()
         raise ValueError(f"attention backend 'cpu_flash' is unavailable: {why}")
-    if backend == "triton" and not triton_support.runs_on(device):
-        why = ("PREFILLONLY_TRITON_KERNELS=0" if triton_support.disabled_by_env() else
-               "the triton package does not import" if triton_support.triton_version() is None else
+    if backend == "triton" and not gpu_support.runs_on(device):
+        why = ("PREFILLONLY_TRITON_KERNELS=0" if gpu_support.disabled_by_env() else
+               "the triton package does not import" if gpu_support.triton_version() is None else
                "it runs on CUDA, or on CPU only under TRITON_INTERPRET=1")
         raise ValueError(f"attention backend 'triton' is unavailable: {why}")
     return backend
@@ -124,7 +124,7 @@ def _time_backend(backend: str, shape: AttentionShape, reps: int = 3) -> float:
 
 def triton_covers(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether `backend` runs such attention on the Triton kernel (else it falls back to SDPA)."""
-    return backend == "triton" and triton_support.attention_applies(device, dtype, head_dim)
+    return backend == "triton" and gpu_support.attention_applies(device, dtype, head_dim)
 
 
 def cpu_flash_covers(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:

@@ -6,7 +6,7 @@ the workspace (see workspace.py) plus attention's output, which memory.py predic
 
 On CPU (float32 / bfloat16) RMSNorm, RoPE and SwiGLU run as one compiled pass each
 (cpu_ops.cpp via cpu_ext); on CUDA (bfloat16 / float16) as Triton-language kernels
-(triton_ops.py; triton_support says when); elsewhere, or when neither applies, as torch ops.
+(gpu_ops.py; gpu_support says when); elsewhere, or when neither applies, as torch ops.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cpu_ext, triton_support
+from . import cpu_ext, gpu_support
 
 
 def compiled_ops(t: torch.Tensor):
@@ -30,7 +30,7 @@ def rms_norm_needs_scratch(device: torch.device, dtype: torch.dtype, qk_norm: bo
     Triton path norms them inside rope_qkv_into). The workspace leaves the scratch out otherwise,
     so the memory prediction counts no buffer that is never touched."""
     probe = torch.empty(0, device=device, dtype=dtype)
-    if _triton_ops(probe) is not None:
+    if _gpu_ops(probe) is not None:
         return False
     return qk_norm or compiled_ops(probe) is None
 
@@ -38,23 +38,23 @@ def rms_norm_needs_scratch(device: torch.device, dtype: torch.dtype, qk_norm: bo
 def rope_table_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     """The dtype rope_into wants its cos/sin tables in: float32 for the compiled and Triton kernels."""
     probe = torch.empty(0, device=device, dtype=dtype)
-    return torch.float32 if compiled_ops(probe) is not None or triton_support.applies(probe) else dtype
+    return torch.float32 if compiled_ops(probe) is not None or gpu_support.applies(probe) else dtype
 
 
-def _triton_ops(t: torch.Tensor):
-    """triton_ops when its kernels take tensors like `t` and no compiled CPU kernel does (those
+def _gpu_ops(t: torch.Tensor):
+    """gpu_ops when its kernels take tensors like `t` and no compiled CPU kernel does (those
     keep precedence), else None: the one rule every wrapper below follows."""
-    if compiled_ops(t) is None and triton_support.applies(t):
-        from . import triton_ops  # imported where chosen: it imports triton, absent on most CPU hosts
+    if compiled_ops(t) is None and gpu_support.applies(t):
+        from . import gpu_ops  # imported where chosen: it imports triton, absent on most CPU hosts
 
-        return triton_ops
+        return gpu_ops
     return None
 
 
-def _triton_rows(*ts: torch.Tensor):
-    """triton_ops when its kernels take these 2-d row tensors, else None."""
+def _gpu_rows(*ts: torch.Tensor):
+    """gpu_ops when its kernels take these 2-d row tensors, else None."""
     if all(t.dim() == 2 and t.stride(-1) == 1 for t in ts):
-        return _triton_ops(ts[0])
+        return _gpu_ops(ts[0])
     return None
 
 
@@ -69,7 +69,7 @@ def rms_norm_into(out: torch.Tensor, x: torch.Tensor, weight32: torch.Tensor, ep
     if kernels is not None and x.dim() == 2 and x.stride(-1) == 1 and out.stride(-1) == 1:
         kernels.rms_norm(x, out, weight32, eps)
         return out
-    fused = _triton_rows(x, out)
+    fused = _gpu_rows(x, out)
     if fused is not None:
         return fused.rms_norm(out, x, weight32, eps)
     h = scratch32.copy_(x)
@@ -83,7 +83,7 @@ def add_rms_norm_(h: torch.Tensor, delta: torch.Tensor, weight32: torch.Tensor, 
                   scratch32: torch.Tensor) -> torch.Tensor:
     """h += delta, then out = RMSNorm(h) * weight (one pass on the Triton path): the residual
     add of o_proj followed by the post-attention norm."""
-    fused = _triton_rows(h, delta, out)
+    fused = _gpu_rows(h, delta, out)
     if fused is not None:
         return fused.add_rms_norm(h, delta, weight32, eps, out)
     h.add_(delta)
@@ -130,7 +130,7 @@ def rope_qkv_into(q_dst: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor,
     q_dst [heads, n, hd] and k_dst [kv_heads, n, hd] rotated, v_dst copied. qk_norm =
     (q weight32, k weight32, eps): Qwen3's per-head RMSNorm of q and k first (on the torch path
     in place in qkv, through scratch32 [n, >= heads * hd] float32). One pass on the Triton path."""
-    fused = _triton_ops(qkv)
+    fused = _gpu_ops(qkv)
     if fused is not None and cos.dtype == torch.float32:
         fused.rope_qkv(q_dst, k_dst, v_dst, qkv, cos, sin, heads, kv_heads, qk_norm)
         return
@@ -154,7 +154,7 @@ def swiglu_into(out: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     if kernels is not None and gate_up.stride(-1) == 1 and out.stride(-1) == 1:
         kernels.swiglu(gate_up, out)
         return out
-    fused = _triton_rows(gate_up, out)
+    fused = _gpu_rows(gate_up, out)
     if fused is not None:
         return fused.swiglu(out, gate_up)
     f = gate_up.shape[-1] // 2

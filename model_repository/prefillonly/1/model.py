@@ -1,14 +1,14 @@
 """Triton Python-backend adapter over prefillonly.Engine (decoupled).
 
-execute() checks each request's shape and sizes (prefillonly.serving.protocol: cheap, no
+execute() checks each request's shape and sizes (prefillonly.serving.model.protocol: cheap, no
 tokenizing), hands it to the intake threads and returns at once; an intake thread tokenizes and
 submits it to the engine's queue, so no prompt holds up the thread that feeds Triton's other
 requests. The engine's worker completes the Future, whose callback sends the one final response
 through the request's response sender. Bad input is answered with an error naming the problem
 (from execute() or from intake); every request gets exactly one final response. TritonServer's
-drain file (prefillonly.serving.drain) closes the engine before Triton's shutdown. A request whose
+drain file (prefillonly.serving.model.drain) closes the engine before Triton's shutdown. A request whose
 client cancels it while it still waits is taken out of the engine's queue (InFlightWatcher, in
-prefillonly.serving.inflight with the rest of the bookkeeping of requests in flight).
+prefillonly.serving.model.inflight with the rest of the bookkeeping of requests in flight).
 initialize() runs one warm-up request, so Triton reports the model ready only once it is warm.
 Logs: one line per event, with the request id; the ready line names the compute dtype and why
 (dtype "auto" picks per host), which the metrics' prefillonly_engine_info labels carry too.
@@ -22,10 +22,10 @@ import triton_python_backend_utils as pb_utils
 
 from prefillonly import Engine, EngineConfig
 from prefillonly.errors import InvalidRequestError
-from prefillonly.serving.drain import DrainWatch, drain_file_from_env
-from prefillonly.serving.inflight import InFlightWatcher, PendingRequest, when_all_done
-from prefillonly.serving.metrics import EngineMetrics
-from prefillonly.serving.protocol import INPUTS, error_reply, parse_request, results_to_outputs
+from prefillonly.serving.model.drain import DrainWatch, drain_file_from_env
+from prefillonly.serving.model.inflight import InFlightWatcher, PendingRequest, when_all_done
+from prefillonly.serving.model.metrics import EngineMetrics
+from prefillonly.serving.model.protocol import INPUTS, error_reply, parse_request, results_to_outputs
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 WARMUP_TOKENS = 16

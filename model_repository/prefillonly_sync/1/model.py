@@ -5,13 +5,13 @@ which mirrors the target's.
 
 Error status: the Python backend's BLS hands every error of the target back as INTERNAL (r24.10
 keeps only the message), so the status is recovered from the message's "<code>: " prefix, which
-the target always writes (prefillonly.serving.protocol.error_reply)."""
+the target always writes (prefillonly.serving.model.protocol.error_reply)."""
 
 import json
 
 import triton_python_backend_utils as pb_utils
 
-# Same as prefillonly.serving.protocol.RETRY_LATER_CODES (a test checks): not imported, no torch here.
+# Same as prefillonly.serving.model.protocol.RETRY_LATER_CODES (a test checks): not imported, no torch here.
 RETRY_LATER_CODES = ("overloaded", "engine_closed", "deadline_exceeded")
 
 

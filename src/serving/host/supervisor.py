@@ -10,7 +10,7 @@ The watchdog restarts tritonserver (a process restart: the model reload API woul
 repository API open, and a dead stub's requests are only released when Triton goes) when
   - tritonserver exits on its own,
   - a Python backend stub process dies (checked every WATCH_INTERVAL_S), or
-  - a liveness probe (prefillonly.serving.probe: a real 1-token inference) gets no engine answer
+  - a liveness probe (prefillonly.serving.host.probe: a real 1-token inference) gets no engine answer
     within probe_timeout_s (a wedged engine);
 and restarts Envoy or the frontend if either exits.
 Killing Triton closes every connection it holds, so each in-flight request of the dead engine
@@ -31,7 +31,8 @@ import time
 from dataclasses import dataclass, field
 
 from .addresses import free_ports
-from .envoy import DEFAULT_MAX_REQUEST_BYTES, EnvoyProxy, FrontDoor, Upstream
+from .envoy import EnvoyProxy
+from .envoy_config import DEFAULT_MAX_REQUEST_BYTES, FrontDoor, Upstream
 from .frontend_process import FrontendProcess
 from .probe import probe
 from .process import process_alive

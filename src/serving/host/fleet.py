@@ -22,7 +22,8 @@ import contextlib
 import os
 from pathlib import Path
 
-from .envoy import EnvoyProxy, FrontDoor, Upstream
+from .envoy import EnvoyProxy
+from .envoy_config import FrontDoor, Upstream
 from .triton_server import TritonServer
 
 

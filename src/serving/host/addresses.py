@@ -30,3 +30,10 @@ def client_host(host: str) -> str:
     if host == "::":
         return "[::1]"
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def dial(host: str, port: int, scheme: str | None = "http") -> str:
+    """What a client dials to reach a server bound to host:port: "http://host:port", or with
+    scheme None the bare "host:port" that tritonclient.grpc.InferenceServerClient(url=...) takes."""
+    address = f"{client_host(host)}:{port}"
+    return address if scheme is None else f"{scheme}://{address}"

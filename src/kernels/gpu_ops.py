@@ -7,7 +7,7 @@ output dtype (the torch ops they replace take 2-6 passes):
   rope_qkv      the fused QKV rows of one piece -> Q and K rotated (after Qwen3's per-head q/k
                 norm when given) and V copied, written head-major into the workspace segments
   swiglu        out = silu(gate) * up from the fused [gate | up] rows
-The wrappers in ops.py choose these when triton_support.applies(); see there for the contracts.
+The wrappers in ops.py choose these when gpu_support.applies(); see there for the contracts.
 """
 
 # no `from __future__ import annotations` here: triton < 3.3 reads tl.constexpr from real annotations
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_support import interpreting
+from .gpu_support import interpreting
 
 
 @triton.jit

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import InvalidRequestError, PrefillOnlyError
-from ..limits import RequestLimits
-from ..result import ScoreResult
+from ...errors import InvalidRequestError, PrefillOnlyError
+from ...limits import RequestLimits
+from ...result import ScoreResult
 
 INPUTS = {
     "text_input": "BYTES", "input_ids": "INT64", "allowed_tokens": "BYTES", "allowed_token_ids": "INT64",

@@ -4,7 +4,7 @@
     total(samples, "nv_inference_request_success", model="prefillonly")   # summed over the other labels
     by_series(samples)["prefillonly_waiting_requests"]                    # {'name{labels}': value}
 
-The tests (serving/testing.py's scrape_metrics) and perf/ all read metrics through it.
+The tests and perf/ all read metrics through it (`scrape_metrics`: a server's series by name).
 """
 
 from __future__ import annotations
@@ -67,3 +67,10 @@ def total(samples: list[Sample], name: str, **labels: str) -> float:
 def by_series(samples: list[Sample], prefixes: tuple[str, ...] | None = None) -> dict[str, float]:
     """{'name{labels}': value} for the series whose text starts with one of `prefixes` (None: all)."""
     return {s.series: s.value for s in samples if prefixes is None or s.series.startswith(tuple(prefixes))}
+
+
+def scrape_metrics(metrics_url: str, prefixes=("prefillonly_", "nv_inference_")) -> dict[str, float]:
+    """Triton's Prometheus endpoint as {'name{labels}': value} for the series starting with
+    `prefixes` (None: every series). Retries briefly: the metrics port may open a moment after
+    /v2/health/ready answers."""
+    return by_series(scrape(metrics_url, timeout_s=30, attempts=50), prefixes)

@@ -19,7 +19,7 @@ import time
 import torch
 
 from ..paths import default_cache_dir
-from .triton_support import interpreting, triton_version
+from .gpu_support import interpreting, triton_version
 
 CANDIDATES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 128, 4, 2), (128, 64, 4, 4)]
 _DEFAULTS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}

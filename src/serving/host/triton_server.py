@@ -13,10 +13,10 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Iterator, Mapping
 
-from .addresses import client_host, free_ports
-from .drain import DRAIN_FILE_ENV, ack_path
+from ..model.drain import DRAIN_FILE_ENV, ack_path
+from .addresses import dial, free_ports
 from .process import LoggedProcess, child_pids, http_status, process_name
 from .server_tree import ServerError, check_links, prepare_server_dir, server_binary, server_env
 
@@ -131,7 +131,7 @@ class TritonServer(LoggedProcess):
                                                 "nvidia_pytriton.libs or libpython", stop_requested=stop_requested)
 
     def drain(self, timeout: float = 5.0) -> bool:
-        """Ask the model to close its engine (prefillonly.serving.drain): waiting requests are
+        """Ask the model to close its engine (prefillonly.serving.model.drain): waiting requests are
         answered `engine_closed`, new ones refused, the running one finishes. True once the model
         acknowledged (nothing left to answer), False after `timeout` (the running request is still
         going, the model is not ours, or its process is dead)."""
@@ -189,16 +189,31 @@ class TritonServer(LoggedProcess):
 
     @property
     def http_url(self) -> str:
-        return f"http://{client_host(self.host)}:{self.http_port}"
+        return dial(self.host, self.http_port)
 
     @property
     def grpc_url(self) -> str:
-        """host:port, as tritonclient.grpc.InferenceServerClient(url=...) takes it."""
-        return f"{client_host(self.host)}:{self.grpc_port}"
+        return dial(self.host, self.grpc_port, scheme=None)
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{client_host(self.metrics_host)}:{self.metrics_port}/metrics"
+        return dial(self.metrics_host, self.metrics_port) + "/metrics"
 
     def describe(self) -> str:
         return f"http={self.http_url} grpc={self.grpc_url}"
+
+
+@contextlib.contextmanager
+def running_server(model_repository: str | os.PathLike, *, ready_timeout: float = 120.0, stop_timeout: float = 15.0,
+                   server_dir: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None,
+                   **start_kwargs) -> Iterator[TritonServer]:
+    """Start tritonserver on `model_repository` (free ports on 127.0.0.1 unless given), wait until
+    every model is ready, yield the TritonServer, and stop it on the way out, whatever happens.
+    `start_kwargs` go to TritonServer.start (http_port, log_path, extra_args, ...)."""
+    server = TritonServer(server_dir, cache_dir=cache_dir)
+    try:
+        server.start(model_repository, **start_kwargs)
+        server.wait_ready(ready_timeout)
+        yield server
+    finally:
+        server.stop(stop_timeout)

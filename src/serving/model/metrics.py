@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 
-from ..stats import EngineStats
+from ...stats import EngineStats
 
 
 # (name, kind, description, labels -> function of stats returning the value)

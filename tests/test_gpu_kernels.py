@@ -1,4 +1,4 @@
-"""Runs tests/triton_cases.py (the Triton-language kernels against float64 references and the
+"""Runs tests/gpu_kernel_cases.py (the Triton-language kernels against float64 references and the
 torch path) in a subprocess: under Triton's interpreter on CPU, which must be switched on before
 the kernels are defined, and natively as well when this host has CUDA."""
 
@@ -19,7 +19,7 @@ def _run_cases(env_overrides: dict) -> str:
     env = dict(os.environ, **env_overrides)
     env.pop("PREFILLONLY_TRITON_KERNELS", None)
     cmd = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           "tests/triton_cases.py"]
+           "tests/gpu_kernel_cases.py"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
@@ -30,10 +30,10 @@ def _run_cases(env_overrides: dict) -> str:
     return summary
 
 
-def test_triton_kernels_under_the_interpreter():
+def test_gpu_kernels_under_the_interpreter():
     print(_run_cases({"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this host")
-def test_triton_kernels_on_cuda():  # pragma: no cover - needs a GPU
+def test_gpu_kernels_on_cuda():  # pragma: no cover - needs a GPU
     print(_run_cases({"TRITON_INTERPRET": "0"}))

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_tuning import attention_tiles
+from .gpu_tuning import attention_tiles
 
 _LOG2E = 1.4426950408889634
 

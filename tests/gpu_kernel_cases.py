@@ -1,6 +1,6 @@
 """The Triton-language kernels against float64 references and the torch path.
 
-Not collected by the main run (no test_ prefix): tests/test_triton_kernels.py runs this file
+Not collected by the main run (no test_ prefix): tests/test_gpu_kernels.py runs this file
 in a subprocess, under Triton's interpreter on CPU (TRITON_INTERPRET=1 must be set before the
 kernels are defined, i.e. before they are imported) and natively on CUDA when a GPU is present.
 The interpreter has no bfloat16 (numpy), so it runs float16, which is the same kernel code;
@@ -16,23 +16,23 @@ import torch
 
 from prefillonly.cache.prefix_cache import PrefixCache
 from prefillonly.executor import ForwardBatch, HybridPrefillExecutor, Sequence
-from prefillonly.kernels import triton_support
+from prefillonly.kernels import gpu_support
 from prefillonly.kernels.attention import causal_attention, resolve_backend, triton_covers
-from prefillonly.kernels.triton_attention import BatchLayout, prefill_attention
-from prefillonly.kernels import triton_ops
+from prefillonly.kernels.gpu_attention import BatchLayout, prefill_attention
+from prefillonly.kernels import gpu_ops
 from prefillonly.model_spec import ModelSpec
 from prefillonly.weights import ModelWeights
 
 from .conftest import FAMILY_CONFIGS, make_random_model
 from .reference import attention_float64, hf_logprobs, load_hf, max_abs
 
-INTERPRETED = triton_support.interpreting()
+INTERPRETED = gpu_support.interpreting()
 DEVICE = torch.device("cpu" if INTERPRETED or not torch.cuda.is_available() else "cuda")
 DTYPES = [torch.float16] if DEVICE.type == "cpu" else [torch.float16, torch.bfloat16]
 # one rounding of the output in these dtypes, plus float32 accumulation over <= ~1,000 keys
 ATTN_TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
-pytestmark = pytest.mark.skipif(not triton_support.runs_on(DEVICE), reason="needs CUDA, or TRITON_INTERPRET=1 on CPU")
+pytestmark = pytest.mark.skipif(not gpu_support.runs_on(DEVICE), reason="needs CUDA, or TRITON_INTERPRET=1 on CPU")
 
 
 def _gen(seed):
@@ -160,10 +160,10 @@ def test_rms_norm_and_add_rms_norm(rows, n):
     x, delta = _randn(gen, rows, n, dtype=dtype), _randn(gen, rows, n, dtype=dtype)
     w = (torch.rand(n, generator=gen) + 0.5).to(DEVICE)
     out = torch.empty_like(x)
-    triton_ops.rms_norm(out, x, w, 1e-5)
+    gpu_ops.rms_norm(out, x, w, 1e-5)
     assert max_abs(out.cpu(), _norm64(x.cpu(), w.cpu(), 1e-5)) <= tol
     h = x.clone()
-    triton_ops.add_rms_norm(h, delta, w, 1e-5, out)
+    gpu_ops.add_rms_norm(h, delta, w, 1e-5, out)
     assert torch.equal(h, x + delta)  # rounded as torch's add_ rounds
     assert max_abs(out.cpu(), _norm64(h.cpu(), w.cpu(), 1e-5)) <= tol
 
@@ -180,7 +180,7 @@ def test_rope_qkv(hq, hkv, hd, qk_norm):
     q_dst = torch.zeros(hq, n, hd, dtype=dtype, device=DEVICE)
     k_buf = torch.zeros(hkv, n + 2 * off, hd, dtype=dtype, device=DEVICE)  # a segment in the middle of a buffer
     v_buf = torch.zeros_like(k_buf)
-    triton_ops.rope_qkv(q_dst, k_buf[:, off : off + n], v_buf[:, off : off + n], qkv, cos, sin, hq, hkv,
+    gpu_ops.rope_qkv(q_dst, k_buf[:, off : off + n], v_buf[:, off : off + n], qkv, cos, sin, hq, hkv,
                         norms if qk_norm else None)
 
     def rotated(x, w):  # x [n, H, hd] -> [H, n, hd] float64
@@ -208,7 +208,7 @@ def test_swiglu(rows, f):
     gu = _randn(gen, rows, 2 * f, dtype=dtype)
     before = gu.clone()
     out = torch.empty(rows, f, dtype=dtype, device=DEVICE)
-    triton_ops.swiglu(out, gu)
+    gpu_ops.swiglu(out, gu)
     want = torch.nn.functional.silu(gu[:, :f].cpu().double()) * gu[:, f:].cpu().double()
     assert max_abs(out.cpu(), want) <= 2 * ATTN_TOL[dtype]
     assert torch.equal(gu, before)
