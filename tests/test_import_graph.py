@@ -128,3 +128,15 @@ def test_tensor_free_modules_load_without_torch():
               "        sys.exit(f'{name} imports torch')\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_every_subpackage_is_installed():
+    # a folder of src/ missing from pyproject's list imports in a checkout (editable install)
+    # but is absent from the wheel the Docker image installs
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        from pip._vendor import tomli as tomllib
+    listed = set(tomllib.loads((SRC.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join([PACKAGE, *p.parent.relative_to(SRC).parts]) for p in SRC.rglob("__init__.py")}
+    assert listed == folders, f"not listed: {sorted(folders - listed)}; listed, not packages: {sorted(listed - folders)}"
