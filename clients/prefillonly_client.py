@@ -25,17 +25,15 @@ routes every call (Envoy routes a whole stream by its opening headers).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import queue
 import sys
-import urllib.error
-import urllib.request
 
 import numpy as np
 
-MODEL = "prefillonly"
-USER_HEADER = "x-prefillonly-user"  # prefillonly.serving.host.envoy.USER_HEADER (this file stands alone)
+try:  # imported as clients.prefillonly_client (the repository's tests and benchmarks)
+    from .transport import MODEL, GrpcStream, http_generate, result_documents, routing_headers, unary_infer
+except ImportError:  # run as a script, or imported with clients/ on sys.path (the folder copied on its own)
+    from transport import MODEL, GrpcStream, http_generate, result_documents, routing_headers, unary_infer
 
 
 class PrefillOnlyClientError(RuntimeError):
@@ -80,48 +78,33 @@ class PrefillOnlyClient:
         return {"http": self._call_http, "grpc": self._call_grpc, "infer": self._call_infer}[self.protocol](fields)
 
     def _call_http(self, fields: dict) -> list[dict]:
-        body = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in fields.items()}
-        body = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in body.items()}
-        req = urllib.request.Request(f"{self.url}/v2/models/{self.model}/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json", **_routing_headers(fields)})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
-                out = json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            raise PrefillOnlyClientError(json.loads(e.read() or b"{}").get("error", f"HTTP {e.code}")) from None
-        docs = out["result_json"]
-        return [json.loads(d) for d in (docs if isinstance(docs, list) else [docs])]
+        status, reply = http_generate(self.url, fields, self.timeout_s, self.model)
+        if status != 200 or "result_json" not in reply:
+            raise PrefillOnlyClientError(reply.get("error", f"HTTP {status}"))
+        return result_documents(reply["result_json"])
 
     def _call_grpc(self, fields: dict) -> list[dict]:
         import tritonclient.grpc as grpcclient
 
         if self._grpc is None:
             self._grpc = grpcclient.InferenceServerClient(self.url)
-        inputs = _infer_inputs(grpcclient, fields)
-        answers: queue.Queue = queue.Queue()
-        self._grpc.start_stream(callback=lambda result, error: answers.put((result, error)), headers=_routing_headers(fields) or None)
+        stream = GrpcStream(self._grpc, routing_headers(fields) or None, self.model)
         try:
-            self._grpc.async_stream_infer(self.model, inputs)
-            result, error = answers.get(timeout=self.timeout_s)
+            result, error = stream.call(fields, self.timeout_s)
         finally:
-            self._grpc.stop_stream()
+            stream.close()
         if error is not None:
             raise PrefillOnlyClientError(str(error))
-        return [json.loads(d) for d in result.as_numpy("result_json")]
+        return result_documents(result.as_numpy("result_json"))
 
     def _call_infer(self, fields: dict) -> list[dict]:
-        import tritonclient.http as httpclient
         from tritonclient.utils import InferenceServerException
 
-        client = httpclient.InferenceServerClient(self.url.split("://", 1)[-1], network_timeout=self.timeout_s,
-                                                  connection_timeout=self.timeout_s)
         try:
-            result = client.infer(f"{self.model}_sync", _infer_inputs(httpclient, fields), headers=_routing_headers(fields) or None)
+            result = unary_infer(self.url, fields, self.timeout_s, "http", f"{self.model}_sync")
         except InferenceServerException as e:
             raise PrefillOnlyClientError(e.message()) from None
-        finally:
-            client.close()
-        return [json.loads(d) for d in result.as_numpy("result_json")]
+        return result_documents(result.as_numpy("result_json"))
 
 
 def _request(prompt, allowed, items=None, item_template=None, top_k=None, cache_prefix_len=None, priority=None,
@@ -150,39 +133,6 @@ def _request(prompt, allowed, items=None, item_template=None, top_k=None, cache_
     if apply_chat_template is not None:
         fields["apply_chat_template"] = np.asarray([bool(apply_chat_template)])
     return fields
-
-
-def _infer_inputs(module, fields: dict) -> list:
-    """The request's fields as tritonclient InferInputs of `module` (tritonclient.grpc or .http)."""
-    inputs = []
-    for name, value in fields.items():
-        arr = _as_array(value)
-        t = module.InferInput(name, list(arr.shape), _triton_type(arr))
-        t.set_data_from_numpy(arr)
-        inputs.append(t)
-    return inputs
-
-
-def _routing_headers(fields: dict) -> dict:
-    """The affinity header for a request that names its user (nothing otherwise). A user id that
-    is not printable ASCII (not a valid header value) is sent as a stable digest of itself."""
-    user = fields.get("user")
-    if not isinstance(user, str) or not user:
-        return {}
-    if not (user.isascii() and user.isprintable()):
-        user = "sha256-" + hashlib.sha256(user.encode()).hexdigest()
-    return {USER_HEADER: user}
-
-
-def _as_array(value) -> np.ndarray:
-    if isinstance(value, np.ndarray):
-        return value
-    values = value if isinstance(value, list) else [value]
-    return np.array([v.encode() for v in values], dtype=np.object_)
-
-
-def _triton_type(arr: np.ndarray) -> str:
-    return {np.dtype(np.int64): "INT64", np.dtype(np.bool_): "BOOL"}.get(arr.dtype, "BYTES")
 
 
 def main(argv=None) -> int:

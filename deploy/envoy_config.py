@@ -18,7 +18,8 @@ import argparse
 import json
 import sys
 
-from prefillonly.serving.host.envoy_config import AFFINITY_LB, DEFAULT_HASH_BALANCE_FACTOR, DEFAULT_MAX_REQUEST_BYTES, ROUTINGS, FrontDoor, Upstream, envoy_config, validate_config
+from prefillonly.serving.host.envoy_config import (AFFINITY_LB, DEFAULT_HASH_BALANCE_FACTOR, DEFAULT_MAX_REQUEST_BYTES,
+                                                   ROUTINGS, FrontDoor, Upstream, envoy_config, validate_config)
 
 
 def _upstream(text: str) -> Upstream:

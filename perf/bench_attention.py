@@ -153,7 +153,7 @@ def render_end_to_end(data: dict) -> str:
     ])
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m perf.bench_attention")
     p.add_argument("--seconds", type=float, default=0.4, help="timing window per measurement")
     p.add_argument("--rounds", type=int, default=5, help="interleaved windows per system and shape")
@@ -163,7 +163,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--reps", type=int, default=2, help="--end-to-end: runs per (trace, backend)")
     p.add_argument("--seed", type=int, default=0, help="--end-to-end: trace seed (perf/eval.py's)")
     p.add_argument("--timeout", type=float, default=3600, help="--end-to-end: seconds per run")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.end_to_end:
         data = end_to_end(args)
@@ -189,4 +193,4 @@ On AVX2-only hosts nothing changes (the pair path is emulated there only for the
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from perf import benchutil as bu
+from perf import harness
 from perf import eval as ev  # perf/eval.py: its traces, fresh-process offline runner and Triton load level
 
 SECTION = "## Batched prefill"
@@ -106,7 +107,7 @@ def cmd_load(args) -> dict:
         if not walls:
             raise SystemExit("no offline post-rec run at max_batch_tokens 1: run the offline part first or pass --qps")
         qps, basis = len(trace.requests) / bu.median(walls), "the offline post-rec throughput at max_batch_tokens 1"
-    timed = ev.harness_schedule(trace, qps, args.seed)
+    timed = harness.poisson_schedule(trace, qps, args.seed)
     levels = []
     for budget in args.budgets:
         bu.log(f"load at {qps:.3f} req/s, max_batch_tokens {budget}")
@@ -175,7 +176,7 @@ def render(args) -> str:
     return body
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default="step,offline,load", help="comma list of step, offline, load (default all); the report always follows")
     p.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help=f"max_batch_tokens values (default {','.join(map(str, BUDGETS))})")
@@ -186,17 +187,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     p.add_argument("--quick", action="store_true", help="tiny traces, 1 rep; results under perf/out/batching-quick/")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     args.budgets = [int(b) for b in args.budgets.split(",") if b]
     if 1 not in args.budgets:
         args.budgets.insert(0, 1)  # the unbatched engine is the baseline of every ratio
     if args.quick:
         args.reps = 1
-    return args
-
-
-def main(argv: list[str]) -> int:
-    args = parse_args(argv)
     parts = {"step": cmd_step, "offline": cmd_offline, "load": cmd_load}
     for name in [x for x in args.parts.split(",") if x]:
         parts[name](args)
@@ -206,4 +206,4 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

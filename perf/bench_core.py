@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from perf import benchutil as bu
+from prefillonly.model_spec import ModelSpec
 
 SECTION = "## Engine core"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -78,14 +79,6 @@ def transformers_forward(model, ids: torch.Tensor) -> torch.Tensor:
 
 def ours_forward(engine, ids: torch.Tensor) -> torch.Tensor:
     return engine.executor.forward(ids, engine.config.chunk_size).logits
-
-
-def default_model_spec():
-    from prefillonly.config import default_cache_dir
-    from prefillonly.default_model import ensure_default_model
-    from prefillonly.model_spec import ModelSpec
-
-    return ModelSpec.from_folder(ensure_default_model(default_cache_dir()))
 
 
 # -- 1. matmul rate ------------------------------------------------------------------------
@@ -247,28 +240,36 @@ def describe_point(point: dict) -> str:
 
 
 # -- 4. max input length at a budget ---------------------------------------------------------
-def max_input_lengths(points: list[dict], budget_bytes: int, spec) -> list[dict]:
+def fit_growth(points: list[dict], budget_bytes: int) -> dict | None:
+    """Least-squares growth = fixed + bytes/token · S over the FIT_POINTS longest points, and the
+    largest S within the budget; None for fewer than 2 points or a growth that does not grow."""
     import numpy as np
 
+    fitted = sorted(points, key=lambda p: p["tokens"])[-FIT_POINTS:]
+    if len(fitted) < 2:
+        return None
+    per_token, fixed = np.polyfit([p["tokens"] for p in fitted], [p["growth_bytes"] for p in fitted], 1)
+    if per_token <= 0:
+        return None
+    mil = int((budget_bytes - fixed) / per_token)
+    return {"bytes_per_token": float(per_token), "fixed_bytes": float(fixed), "mil": mil,
+            "fit_lengths": [p["tokens"] for p in fitted], "growth_at_mil_plus_1": float(fixed + per_token * (mil + 1))}
+
+
+def max_input_lengths(points: list[dict], budget_bytes: int, spec) -> list[dict]:
     from prefillonly.memory import predict_peak_bytes
 
     rows = []
     for system, chunk in MEMORY_SYSTEMS.items():
-        ok = sorted((p for p in points if p["system"] == system and "error" not in p), key=lambda p: p["tokens"])
+        ok = [p for p in points if p["system"] == system and "error" not in p]
         row = {"system": system, "budget_bytes": budget_bytes}
-        fitted = ok[-FIT_POINTS:]
-        if len(fitted) >= 2:
-            lengths = np.array([p["tokens"] for p in fitted], dtype=float)
-            growth = np.array([p["growth_bytes"] for p in fitted], dtype=float)
-            per_token, fixed = np.polyfit(lengths, growth, 1)  # growth ≈ fixed + per_token · S
-            longest = int(lengths.max())
-            fit = int((budget_bytes - fixed) / per_token) if per_token > 0 else None
-            row.update(bytes_per_token=float(per_token), fixed_bytes=float(fixed), mil_fit=fit, fit_lengths=[int(x) for x in lengths])
-            fit_range = f"fit over {', '.join(f'{int(x) // 1024}K' for x in lengths)}"
-            row["basis"] = (
-                f"measured range ({fit_range})" if fit is not None and fit <= longest
-                else f"extrapolated from measured points up to {longest // 1024}K ({fit_range})"
-            )
+        fit = fit_growth(ok, budget_bytes)
+        if fit:
+            longest = fit["fit_lengths"][-1]
+            fit_range = f"fit over {', '.join(f'{x // 1024}K' for x in fit['fit_lengths'])}"
+            row.update(bytes_per_token=fit["bytes_per_token"], fixed_bytes=fit["fixed_bytes"], mil_fit=fit["mil"],
+                       fit_lengths=fit["fit_lengths"], basis=f"measured range ({fit_range})" if fit["mil"] <= longest
+                       else f"extrapolated from measured points up to {longest // 1024}K ({fit_range})")
         within = [p["tokens"] for p in ok if p["growth_bytes"] <= budget_bytes]
         row["longest_measured_within_budget"] = max(within, default=None)
         if chunk is not None:
@@ -403,11 +404,7 @@ def plot(data: dict, path: Path) -> bool:
         plot_memory(ax_mem, data["memory"])
     if "speed" in data:
         plot_speed(ax_speed, data["speed"])
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return bu.save_figure(plt, fig, path)
 
 
 def plot_memory(ax, part: dict) -> None:
@@ -452,7 +449,7 @@ def write_results(data: dict, out_root: Path) -> None:
 
 
 # -- command line ------------------------------------------------------------------------------
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--memory-systems", default=",".join(MEMORY_SYSTEMS),
                    help="systems of the memory part to (re)measure; the others keep their stored points")
@@ -463,17 +460,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help=f"repetitions per length (at most {MAX_REPS_AT_8K} at 8K); median reported")
     p.add_argument("--budget-gib", type=float, default=1.0, help="memory budget for the max input length (default 1 GiB)")
     p.add_argument("--peak-timeout", type=int, default=1800, help="seconds allowed per memory subprocess (default 1800)")
-    return p.parse_args(argv)
+    return p
 
 
-def main(argv: list[str]) -> int:
-    a = parse_args(argv)
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     torch.set_num_threads(a.threads)
     out_root = bu.PERF_DIR / "out" / "quick" if a.quick else bu.PERF_DIR
     data = bu.load_json(out_root / "results" / "core.json")  # keeps the part a --skip-* run skips
-    spec = default_model_spec()
+    spec = ModelSpec.from_folder(bu.default_model_dir())
     data["spec"] = {"N": spec.non_embedding_params(), "L": spec.num_layers, "d": spec.num_heads * spec.head_dim, "vocab": spec.vocab_size}
-    run_info = {"command": bu.command_line(), "date": bu.now_iso(), "machine": bu.machine_info(a.threads), "quick": a.quick}
+    run_info = {**bu.run_info(a.threads), "quick": a.quick}
     bu.log(f"machine: {bu.machine_line(run_info['machine'])}")
 
     if not a.skip_speed:
@@ -496,4 +493,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -37,10 +37,11 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
+from clients.transport import http_generate, json_body, post, result_documents, routing_headers
 from perf import benchutil as bu
 from perf import harness
 from perf import workloads as wl
-from prefillonly.serving.host.envoy_config import REPLICA_HEADER, USER_HEADER, FrontDoor, Upstream
+from prefillonly.serving.host.envoy_config import REPLICA_HEADER, FrontDoor, Upstream
 from prefillonly.serving.host.envoy import EnvoyProxy
 from prefillonly.serving.host.fleet import LocalFleet
 from prefillonly.serving.host.model_settings import copy_model_repository
@@ -64,17 +65,15 @@ class FleetBackend:
         self._lock = threading.Lock()
 
     def score(self, request: wl.TraceRequest, allowed: list[int], timeout_s: float = 600.0) -> dict:
-        user = f"{self.namespace}-u{request.user}"
-        body = {"input_ids": list(request.prompt_token_ids), "allowed_token_ids": list(allowed), "user": user,
-                "cache_prefix_len": request.cache_prefix_len}
-        headers = {"Content-Type": "application/json", **({USER_HEADER: user} if self.header else {})}
-        req = urllib.request.Request(f"{self.url}/v2/models/prefillonly/generate", data=json.dumps(body).encode(), headers=headers)
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            reply = json.loads(r.read())
-            replica = r.headers.get(REPLICA_HEADER, "direct")
+        fields = {"input_ids": list(request.prompt_token_ids), "allowed_token_ids": list(allowed),
+                  "user": f"{self.namespace}-u{request.user}", "cache_prefix_len": request.cache_prefix_len}
+        status, raw, headers = post(f"{self.url}/v2/models/prefillonly/generate", json_body(fields),
+                                    routing_headers(fields) if self.header else None, timeout_s)
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {raw[:300].decode(errors='replace')}")
         with self._lock:
-            self.replicas[replica] += 1
-        doc = json.loads(reply["result_json"] if isinstance(reply["result_json"], str) else reply["result_json"][0])
+            self.replicas[headers.get(REPLICA_HEADER, "direct")] += 1
+        (doc,) = result_documents(json.loads(raw)["result_json"])
         return {"prompt_tokens": doc["prompt_tokens"], "cached_tokens": doc["cached_tokens"], "logprobs": None}
 
 
@@ -111,12 +110,10 @@ def envoy_overhead(fleet: LocalFleet, n: int, seed: int) -> dict:
 
     def generate(url, i):
         rng = random.Random(seed * 100_000 + i)
-        body = {"input_ids": [rng.randrange(100, 40000) for _ in range(16)], "allowed_token_ids": [9230, 2838],
-                "user": f"overhead-{i}", "cache_prefix_len": 0}
-        req = urllib.request.Request(f"{url}/v2/models/prefillonly/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json", USER_HEADER: f"overhead-{i}"})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            r.read()
+        status, reply = http_generate(url, {"input_ids": [rng.randrange(100, 40000) for _ in range(16)],
+                                            "allowed_token_ids": [9230, 2838], "user": f"overhead-{i}", "cache_prefix_len": 0}, 60)
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {reply}")
         time.sleep(0.05)
 
     direct_url = fleet.replicas[0].http_url
@@ -137,7 +134,7 @@ def run(backend, trace: wl.Trace, label: str, qps: float | None, seed: int) -> d
     return s
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--users", type=int, default=None)
@@ -145,7 +142,11 @@ def main(argv=None) -> int:
     p.add_argument("--profile-mean", type=float, default=1000)
     p.add_argument("--load", type=float, default=0.8, help="multiple of the fleet's saturated rate")
     p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     users = a.users or (9 if a.quick else 24)
     scale = wl.PostRecScale(users=users, posts_per_user=a.posts if not a.quick else 3, profile_mean=a.profile_mean)
     trace = wl.generate_post_rec(scale, a.seed)

@@ -128,7 +128,7 @@ def render(data: dict) -> str:
     ])
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scale", default="cpu", choices=sorted(wl.POST_REC_SCALES))
     p.add_argument("--seed", type=int, default=0)
@@ -136,7 +136,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--modes", default="no-cache,cache,boundary,multi-item")
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--vllm-kv-gib", type=int, default=4)
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     torch.set_num_threads(a.threads)
     trace = wl.generate("post_rec", a.scale, a.seed)
     trace_path = wl.save_trace(trace, wl.DEFAULT_TRACE_DIR / f"post_rec_{a.scale}_s{a.seed}.json")
@@ -159,4 +163,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -19,11 +19,11 @@ import argparse
 import json
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 
+from clients.transport import post_json
 from perf import benchutil as bu
 
 PRESET = "qwen3-reranker"
@@ -98,7 +98,7 @@ def make_queries(tokenizer, n_queries: int, n_docs: int, query_tokens: int, doc_
 
 
 def render_ids(queries: list[dict]) -> list[dict]:
-    """The frontend's token ids of each query (shared prompt, items) and the labels' ids."""
+    """The frontend's token ids of each query (shared prompt, items), the labels' ids and texts."""
     from prefillonly.frontend.app import build_scoring
 
     scoring = build_scoring(bu.REPO_ROOT / "model_repository", "unused:1")
@@ -106,15 +106,16 @@ def render_ids(queries: list[dict]) -> list[dict]:
     out = []
     for q in queries:
         r = scoring.tokens.render(preset, q["query"], q["documents"])
-        out.append({"shared": r.shared, "items": r.items, "labels": list(preset.label_ids)})
+        out.append({"shared": r.shared, "items": r.items, "labels": list(preset.label_ids), "label_texts": list(preset.labels)})
     return out
 
 
 # -- clients ---------------------------------------------------------------------------------
 def post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=3600) as r:
-        return json.loads(r.read())
+    status, reply = post_json(url, body, 3600)
+    if status != 200:
+        raise RuntimeError(f"HTTP {status} from {url}: {reply}")
+    return reply
 
 
 def ours_rerank(url: str, q: dict, user: str) -> list[float]:
@@ -142,16 +143,9 @@ def ours_separate(url: str, ids: dict, user: str, per_call: int = 50) -> list[fl
     for reply in replies:
         for choice in reply["choices"]:
             lp = choice["logprobs"]["top_logprobs"][0]
-            a, b = lp[_token_text(yes)], lp[_token_text(no)]
+            a, b = (lp[text] for text in ids["label_texts"])  # top_logprobs are keyed by token text
             scores.append(1 / (1 + np.exp(b - a)))
     return scores
-
-
-_TOKEN_TEXT: dict[int, str] = {}
-
-
-def _token_text(token_id: int) -> str:
-    return _TOKEN_TEXT[token_id]
 
 
 def vllm_scores(url: str, ids: dict) -> list[float]:
@@ -198,7 +192,7 @@ def timed_runs(one, single: int, load: list[int], users: int) -> dict:
 
 # -- systems ---------------------------------------------------------------------------------
 def run_ours(queries, ids, args, out_dir: Path, rep: int) -> dict:
-    from perf.reliability import Stack
+    from perf.reliability.stack import Stack
 
     single, load = 0, list(range(1, len(queries)))
     with Stack(out_dir, f"ours-rep{rep}", models=("prefillonly",), dtype="float32", threads=str(args.threads)) as stack:
@@ -211,7 +205,7 @@ def run_ours(queries, ids, args, out_dir: Path, rep: int) -> dict:
 
 
 def run_vllm(ids, args, out_dir: Path, rep: int) -> dict:
-    from perf.vllm_runner import VllmServer
+    from perf.vllm_server import VllmServer
 
     single, load = 0, list(range(1, len(ids)))
     with VllmServer(kv_space_gib=args.kv_space_gib, threads=args.threads, dtype="float32").start(
@@ -263,7 +257,7 @@ def report(result: dict) -> str:
     ])
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--queries", type=int, default=21, help="the first runs alone, the rest as the users' load (default 21)")
     p.add_argument("--users", type=int, default=4)
@@ -277,7 +271,11 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default=str(bu.PERF_DIR / "out" / "bench_rerank"))
     p.add_argument("--no-write", action="store_true", help="print the table, leave RESULTS.md alone")
     p.add_argument("--linear", action="store_true", help="only time one float32 linear layer per path (seconds)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.linear:
         text = linear_report(linear_rates(args.threads), args.threads)
         print(text)
@@ -286,13 +284,9 @@ def main(argv=None) -> int:
         return 0
     from transformers import AutoTokenizer
 
-    from perf.vllm_runner import default_model_dir
-
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    tokenizer = AutoTokenizer.from_pretrained(bu.default_model_dir())
     queries = make_queries(tokenizer, args.queries, args.docs, args.query_tokens, args.doc_tokens, args.seed)
     ids = render_ids(queries)
-    for t in ids[0]["labels"]:
-        _TOKEN_TEXT[t] = tokenizer.decode([t])
     bu.log(f"{len(queries)} queries: shared prompt {len(ids[0]['shared'])} tokens, items "
            f"{np.mean([len(x) for x in ids[0]['items']]):.0f} tokens on average")
     out_dir = Path(args.out_dir)

@@ -67,7 +67,7 @@ def replay(engine, trace: wl.Trace) -> dict:
             "jct_mean_abs_rel_error": engine.jct.mean_abs_relative_error()}
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scale", default="cpu", choices=sorted(wl.POST_REC_SCALES))
     p.add_argument("--seed", type=int, default=0)
@@ -76,7 +76,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--cache-fraction", type=float, default=1.0,
                    help="prefix cache size as a fraction of all profiles' blocks (< 1: cache pressure, where CSJF's "
                         "re-estimation matters most)")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     torch.set_num_threads(a.threads)
     trace = wl.generate("post_rec", a.scale, a.seed)
     bu.log(trace.summary())
@@ -128,4 +132,4 @@ def render(data: dict) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -51,6 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
+from clients.transport import MODEL, SYNC_MODEL, GrpcStream, http_generate, infer_inputs
 from perf import benchutil as bu
 from perf import perf_analyzer_inputs as pai
 from perf import workloads as wl
@@ -59,7 +60,6 @@ from prefillonly.serving.host.model_settings import engine_settings
 from prefillonly.serving.host.server_tree import TRITON_SERVER_VERSION
 
 SECTION = "## Serving"
-MODEL, SYNC_MODEL = "prefillonly", "prefillonly_sync"
 REPO = bu.REPO_ROOT / "model_repository"
 OVERHEAD_TARGET_MS = 5.0
 RATE_THREADS = 64  # perf_analyzer --max-threads in request-rate mode (bounds the requests in flight)
@@ -116,56 +116,17 @@ def short_prompts(n: int, length: int, seed: int) -> list[list[int]]:
             for _ in range(n)]
 
 
-def _infer_inputs(module, ids: list[int], cache_prefix_len: int | None = 0, user: str | None = None) -> list:
-    arrays = {"input_ids": np.array(ids, dtype=np.int64), "allowed_token_ids": np.array(wl.ALLOWED_TOKEN_IDS, dtype=np.int64)}
-    if cache_prefix_len is not None:
-        arrays["cache_prefix_len"] = np.array([cache_prefix_len], dtype=np.int64)
-    inputs = []
-    for name, a in arrays.items():
-        t = module.InferInput(name, list(a.shape), "INT64")
-        t.set_data_from_numpy(a)
-        inputs.append(t)
-    if user is not None:
-        t = module.InferInput("user", [1], "BYTES")
-        t.set_data_from_numpy(np.array([user.encode()], dtype=np.object_))
-        inputs.append(t)
-    return inputs
+def request(ids: list[int], user: str | None = None) -> dict:
+    """The scoring request of a prompt's token ids: the trace's two answers, nothing kept in the cache."""
+    return {"input_ids": ids, "allowed_token_ids": wl.ALLOWED_TOKEN_IDS, "cache_prefix_len": 0, **({"user": user} if user else {})}
 
 
-class GrpcStream:
-    """One gRPC bidirectional stream to the decoupled model; score() waits for the final response."""
-
-    def __init__(self, url: str):
-        import queue
-
-        import tritonclient.grpc as grpcclient
-
-        self._grpc = grpcclient
-        self.client = grpcclient.InferenceServerClient(url)
-        self.answers: "queue.Queue" = queue.Queue()
-        self.client.start_stream(callback=lambda result, error: self.answers.put((result, error)))
-
-    def score(self, ids: list[int]) -> float:
-        t0 = time.perf_counter()
-        self.client.async_stream_infer(MODEL, _infer_inputs(self._grpc, ids))
-        result, error = self.answers.get(timeout=300)
-        elapsed = time.perf_counter() - t0
-        if error is not None:
-            raise RuntimeError(f"gRPC streaming request failed: {error}")
-        return elapsed
-
-    def close(self) -> None:
-        self.client.stop_stream()
-        self.client.close()
-
-
-def http_generate(http_url: str, ids: list[int]) -> float:
-    body = json.dumps({"input_ids": ids, "allowed_token_ids": wl.ALLOWED_TOKEN_IDS, "cache_prefix_len": 0}).encode()
-    req = urllib.request.Request(f"{http_url}/v2/models/{MODEL}/generate", data=body,
-                                 headers={"Content-Type": "application/json"})
+def answered(call, ids: list[int]) -> float:
+    """Seconds until `call(request)` has its final answer (a server's refusal raises)."""
     t0 = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=300) as r:
-        r.read()
+    error = call(request(ids))
+    if error:
+        raise RuntimeError(f"request failed: {error}")
     return time.perf_counter() - t0
 
 
@@ -178,28 +139,29 @@ def measure_overhead(server, n: int, length: int, seed: int, gap_s: float = 0.25
     warm, prompts = prompts[:3], prompts[3:]
     stream = GrpcStream(server.grpc_url)
     unary = grpcclient.InferenceServerClient(server.grpc_url)
-
-    def unary_sync(ids):
-        t0 = time.perf_counter()
-        unary.infer(SYNC_MODEL, _infer_inputs(grpcclient, ids))
-        return time.perf_counter() - t0
-
     settings = engine_settings(REPO / MODEL)
     bu.log(f"in-process Engine with the server's settings {settings}")
     engine = Engine(EngineConfig.from_strings(settings))
 
-    def in_process(ids):
-        t0 = time.perf_counter()
-        engine.score(ids, wl.ALLOWED_TOKEN_IDS, cache_prefix_len=0)
-        return time.perf_counter() - t0
+    def grpc_stream(r):
+        return stream.call(r, 300)[1]
 
-    styles = {"grpc_stream": stream.score, "http_generate": lambda ids: http_generate(server.http_url, ids),
-              "grpc_unary_forwarder": unary_sync, "engine": in_process}
-    times: dict[str, list[float]] = {k: [] for k in styles}
+    def http(r):
+        status, reply = http_generate(server.http_url, r, 300)
+        return None if status == 200 else reply
+
+    def grpc_unary(r):
+        unary.infer(SYNC_MODEL, infer_inputs(grpcclient, r))
+
+    def in_process(r):
+        engine.score(r["input_ids"], r["allowed_token_ids"], cache_prefix_len=0)
+
+    calls = {"grpc_stream": grpc_stream, "http_generate": http, "grpc_unary_forwarder": grpc_unary, "engine": in_process}
+    times: dict[str, list[float]] = {k: [] for k in calls}
     try:
-        for fn in styles.values():
+        for call in calls.values():
             for ids in warm:
-                fn(ids)
+                answered(call, ids)
         stats0 = {m: model_stats(server.http_url, m) for m in (MODEL, SYNC_MODEL)}
         # interleaved, prompt by prompt, one call at a time in a shuffled order, with a pause
         # before each: the two engines never run together, neither runs while the other's
@@ -207,9 +169,9 @@ def measure_overhead(server, n: int, length: int, seed: int, gap_s: float = 0.25
         # every style alike
         order = random.Random(seed)
         for ids in prompts:
-            for style in order.sample(list(styles), len(styles)):
+            for style in order.sample(list(calls), len(calls)):
                 time.sleep(gap_s)
-                times[style].append(styles[style](ids))
+                times[style].append(answered(calls[style], ids))
         stats1 = {m: model_stats(server.http_url, m) for m in (MODEL, SYNC_MODEL)}
         threads = engine.config.threads
     finally:
@@ -243,7 +205,7 @@ def forwarder_waiting(server, k: int, length: int, seed: int) -> dict:
 
     def one(i: int) -> None:
         client = grpcclient.InferenceServerClient(server.grpc_url)
-        inputs = _infer_inputs(grpcclient, prompts[i], cache_prefix_len=0, user=f"fw{k}-{i}")
+        inputs = infer_inputs(grpcclient, request(prompts[i], user=f"fw{k}-{i}"))
         barrier.wait()
         t0 = time.perf_counter()
         try:
@@ -469,7 +431,7 @@ def sync_instances() -> int | None:
 
 
 # -- main --------------------------------------------------------------------------------------------------
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="5 s windows, fewer levels, fewer requests (~3 min at cpu scale)")
     p.add_argument("--scale", default="cpu", choices=sorted(wl.POST_REC_SCALES))
@@ -484,7 +446,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--forwarder-k", default=None, help="default 4,8,16,32 (quick 4,16)")
     p.add_argument("--forwarder-prompt", type=int, default=None, help="default 2000 tokens (quick 1000)")
     p.add_argument("--skip", default="", help="comma list of overhead, forwarder, sweeps (all perf_analyzer runs), rate, sync")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     q = a.quick
     window_ms = a.window_ms or (5000 if q else 10000)
     concurrency = [int(x) for x in (a.concurrency or ("1,4" if q else "1,2,4,8")).split(",") if x]
@@ -497,18 +463,16 @@ def main(argv: list[str]) -> int:
     if a.scale == "tiny":
         forwarder_prompt = min(forwarder_prompt, 300)
     skip = set(filter(None, a.skip.split(",")))
-    # a SIGTERM (e.g. `timeout`) unwinds through the finally below, which stops the server
+    # a SIGTERM (e.g. `timeout`) unwinds through running_server's finally, which stops the server
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     from perf.perf_analyzer import perf_analyzer_path
-    from prefillonly.serving.host.triton_server import TritonServer
+    from prefillonly.serving.host.triton_server import running_server
 
     out_root = bu.PERF_DIR if a.scale == "cpu" and not q else bu.PERF_DIR / "out" / (a.scale + ("_quick" if q else ""))
     out_dir = out_root / "results" / "serving"
     if "sweeps" not in skip and out_dir.is_dir():
-        for old in out_dir.glob("*.csv"):
-            old.unlink()
-        for old in out_dir.glob("*.log"):
+        for old in [*out_dir.glob("*.csv"), *out_dir.glob("*.log")]:
             old.unlink()
     out_dir.mkdir(parents=True, exist_ok=True)
     trace = wl.generate("post_rec", a.scale, a.seed)
@@ -527,11 +491,8 @@ def main(argv: list[str]) -> int:
     server_log.parent.mkdir(parents=True, exist_ok=True)
     server_log.write_text("")
     t_start = time.perf_counter()
-    server = TritonServer()
-    try:
-        bu.log(f"starting tritonserver on {REPO} (log: {server_log})")
-        server.start(REPO, log_path=server_log)
-        server.wait_ready(600)
+    bu.log(f"starting tritonserver on {REPO} (log: {server_log})")
+    with running_server(REPO, ready_timeout=600, stop_timeout=60, log_path=server_log) as server:
         bu.log(f"ready in {time.perf_counter() - t_start:.0f} s: http {server.http_url}, grpc {server.grpc_url}")
 
         if "overhead" not in skip:
@@ -582,8 +543,6 @@ def main(argv: list[str]) -> int:
                     log_row(sweeps[-1])
             for name in ("concurrency_grpc-stream", "rate_grpc-stream", "sync_grpc", "sync_http"):
                 merge_csvs(out_dir, sweeps, name)
-    finally:
-        server.stop(60)
     data["wall_s"] = time.perf_counter() - t_start
     bu.save_json(out_dir / "serving.json", data)
     bu.replace_section(out_root / "RESULTS.md", SECTION, render(data))
@@ -594,4 +553,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -27,6 +27,15 @@ def log(msg: str) -> None:
     print(f"[{datetime.datetime.now():%H:%M:%S}] {msg}", flush=True)
 
 
+def save_figure(plt, fig, path: Path, dpi: int = 110) -> bool:
+    """Lay out, write and close a figure; True (so `plot()` can return it)."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return True
+
+
 def pyplot():
     """matplotlib.pyplot on the file-only Agg backend, or None (tables only) without matplotlib."""
     try:
@@ -46,11 +55,18 @@ def now_iso() -> str:
 
 def command_line() -> str:
     """The command as typed from the repository root, for the results file: `python -m perf.<name> ...`
-    for a perf script (sys.argv[0] is then the module's file), else the script's path."""
+    for a perf script (sys.argv[0] is then the module's file, or a package's __main__.py), else the
+    script's path."""
     script = Path(os.path.abspath(sys.argv[0]))
-    if script.parent == PERF_DIR and script.suffix == ".py":
-        return shlex.join(["python", "-m", f"perf.{script.stem}", *sys.argv[1:]])
+    if script.suffix == ".py" and script.is_relative_to(PERF_DIR):
+        parts = script.relative_to(REPO_ROOT).with_suffix("").parts
+        return shlex.join(["python", "-m", ".".join(parts[:-1] if parts[-1] == "__main__" else parts), *sys.argv[1:]])
     return shlex.join(["python", os.path.relpath(script, REPO_ROOT), *sys.argv[1:]])
+
+
+def run_info(threads: int) -> dict:
+    """What every result file records of its run: the command, the date and the machine."""
+    return {"command": command_line(), "date": now_iso(), "machine": machine_info(threads)}
 
 
 def module_command(python: str, module: str, *args: str) -> list[str]:
@@ -73,7 +89,7 @@ def machine_info(threads: int) -> dict:
         "cpu": _lscpu_field("Model name") or platform.processor() or "unknown",
         "isa_flags": [f for f in ISA_FLAGS if f in cpu_flags()],
         "cores": os.cpu_count(),
-        "memory_gib": round(_meminfo_bytes("MemTotal") / 2**30, 1),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),  # MemTotal
         "torch": torch.__version__,
         "threads": threads,
         "python": platform.python_version(),
@@ -98,27 +114,21 @@ def _lscpu_field(name: str) -> str | None:
     return None
 
 
-def _meminfo_bytes(key: str) -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
+def default_model_dir() -> str:
+    """The default model's converted safetensors folder (made on first use)."""
+    from prefillonly.default_model import ensure_default_model
+    from prefillonly.paths import default_cache_dir
+
+    return ensure_default_model(default_cache_dir())
 
 
-# -- peak RSS, measured as docs/design.md §7 says ----------------------------------------
-def status_bytes(key: str) -> int:
-    """A /proc/self/status field (VmRSS, VmHWM) in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{key} not in /proc/self/status")
-
-
-def reset_rss_high_water_mark() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+def rss_bytes(pid: int | str = "self") -> int | None:
+    """A process's resident bytes now (VmRSS, from /proc/PID/statm), None once it is gone. Where
+    prefillonly imports, prefillonly.memory reads the peak (VmHWM)."""
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 # -- small maths ------------------------------------------------------------------------

@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 from perf import benchutil as bu
+from perf import harness
 from perf import workloads as wl
 from prefillonly.serving.host.server_tree import TRITON_SERVER_VERSION
 
@@ -128,6 +129,7 @@ def inner_ours_offline(args) -> dict:
     import torch
 
     from prefillonly import Engine, EngineConfig
+    from prefillonly.memory import status_bytes
 
     torch.set_num_threads(args.threads)
     trace = wl.load_trace(args.trace)
@@ -170,7 +172,7 @@ def inner_ours_offline(args) -> dict:
             "prefix_cache_hit_fraction": cached / trace.prompt_tokens,
             "tokens_computed": stats1.tokens_computed - stats0.tokens_computed,
             "steps": stats1.steps - stats0.steps, "max_batch_tokens": engine.max_batch_tokens,
-            "peak_rss_bytes": bu.status_bytes("VmHWM"), "per_request": per_request}
+            "peak_rss_bytes": status_bytes("VmHWM"), "per_request": per_request}
 
 
 def inner_hf_offline(args) -> dict:
@@ -179,12 +181,12 @@ def inner_hf_offline(args) -> dict:
     import torch
 
     from perf import bench_core
-    from perf import vllm_runner
+    from prefillonly.memory import status_bytes
 
     torch.set_num_threads(args.threads)
     trace = wl.load_trace(args.trace)
     t0 = time.perf_counter()
-    model = bench_core.load_transformers(vllm_runner.default_model_dir(), getattr(torch, args.dtype))
+    model = bench_core.load_transformers(bu.default_model_dir(), getattr(torch, args.dtype))
     load_s = time.perf_counter() - t0
     warm = wl.random_ids(np.random.default_rng(12345), WARMUP_TOKENS, trace.low_id, trace.vocab_size)
     bench_core.transformers_forward(model, torch.tensor(warm))
@@ -200,7 +202,7 @@ def inner_hf_offline(args) -> dict:
     wall_s = time.perf_counter() - t0
     return {"system": "transformers", "workload": trace.workload, "wall_s": wall_s, "load_s": load_s,
             "requests": len(trace.requests), "prompt_tokens": trace.prompt_tokens, "cached_tokens": 0,
-            "prefix_cache_hit_fraction": 0.0, "peak_rss_bytes": bu.status_bytes("VmHWM"), "per_request": per_request}
+            "prefix_cache_hit_fraction": 0.0, "peak_rss_bytes": status_bytes("VmHWM"), "per_request": per_request}
 
 
 def run_fresh_process(inner: str, trace_file: Path, out: Path, args, timeout_s: float, extra: tuple[str, ...] = ()) -> dict:
@@ -356,43 +358,35 @@ def our_model_repository(args, policy: str | None = None) -> Path:
 
 
 def run_level(system: str, timed: wl.Trace, qps: float, args) -> dict:
-    from perf import harness
+    from perf.vllm_server import SERVED_MODEL_NAME, VllmServer
 
     log_path = work_dir(args) / "servers" / f"{system}_qps{qps:.3f}.log"
     log_path.unlink(missing_ok=True)
     t0 = time.perf_counter()
-    if system == "ours" or system in OURS_WITH_POLICY:
+    kind = "vllm" if system == "vllm" else "ours"  # "ours" under another policy is ours too
+    if kind == "ours":
         from prefillonly.serving.host.triton_server import TritonServer
 
         server = TritonServer().start(our_model_repository(args, OURS_WITH_POLICY.get(system)), log_path=log_path)
-        stop = server.stop
-        try:
-            server.wait_ready(300)
-        except Exception:
-            stop()
-            raise
-        backend, metrics_url = harness.TritonGrpcBackend(server.grpc_url), server.metrics_url
-        system_kind = "ours"
     else:
         from perf import vllm_runner
 
         vllm_runner.ensure_vllm_venv()
         extra_env = dict(kv.split("=", 1) for kv in args.vllm_server_env)
-        server = vllm_runner.VllmServer(kv_space_gib=args.vllm_kv_gib, threads=args.threads, extra_env=extra_env,
-                                        dtype=args.dtype).start(log_path)
-        stop = server.stop
-        server.wait_ready(300)
-        backend, metrics_url = harness.VllmOpenAIBackend(server.base_url, vllm_runner.SERVED_MODEL_NAME), server.metrics_url
-        system_kind = "vllm"
-    startup_s = time.perf_counter() - t0
-    bu.log(f"  {system} server ready in {startup_s:.1f} s")
+        server = VllmServer(kv_space_gib=args.vllm_kv_gib, threads=args.threads, extra_env=extra_env, dtype=args.dtype).start(log_path)
+    backend = None
     try:
+        server.wait_ready(300)
+        startup_s = time.perf_counter() - t0
+        bu.log(f"  {system} server ready in {startup_s:.1f} s")
+        backend = harness.TritonGrpcBackend(server.grpc_url) if kind == "ours" else harness.VllmOpenAIBackend(server.base_url, SERVED_MODEL_NAME)
         warm_up_server(backend, timed)
         result = harness.run_open_loop(backend, timed, label=f"{system} @ {qps:.3f} req/s", qps=qps, timeout_s=args.timeout,
-                                       log=bu.log, metrics=lambda: harness.prefix_hit_counters(system_kind, metrics_url))
+                                       log=bu.log, metrics=lambda: harness.prefix_hit_counters(kind, server.metrics_url))
     finally:
-        backend.close()
-        stop()
+        if backend is not None:
+            backend.close()
+        server.stop()
     d = result.to_dict()
     d["summary"]["metrics_hit_fraction"] = harness.hit_fraction(result.metrics_before, result.metrics_after)
     d["summary"]["idle_gaps"] = harness.idle_gaps(result.metrics_before, result.metrics_after)
@@ -420,7 +414,7 @@ def cmd_load(args) -> dict:
     out_json = results_dir(args) / "load.json"
     for i, factor in enumerate(factors):
         qps = factor * sat
-        timed = harness_schedule(trace, qps, args.seed)
+        timed = harness.poisson_schedule(trace, qps, args.seed)
         order = systems[i % len(systems):] + systems[:i % len(systems)]  # rotate who goes first
         bu.log(f"level {i + 1}/{len(factors)}: x{factor:g} = {qps:.3f} req/s, arrivals over "
                f"{max(r.arrival_s for r in timed.requests):.1f} s (digest {arrivals_digest(timed)}), order {', '.join(order)}")
@@ -437,12 +431,6 @@ def cmd_load(args) -> dict:
     return data
 
 
-def harness_schedule(trace, qps, seed):
-    from perf import harness
-
-    return harness.poisson_schedule(trace, qps, seed)
-
-
 # == MIL =====================================================================================
 def two_layer_config(spec_path: str, positions: int) -> dict:
     """The default model's config with 2 layers (same width): random weights, same per-layer peak."""
@@ -453,30 +441,6 @@ def two_layer_config(spec_path: str, positions: int) -> dict:
     out.update(num_hidden_layers=2, max_position_embeddings=positions,
                rope_theta=(cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
     return out
-
-
-def probe(system: str, tokens: int, threads: int, timeout_s: float, random_config: dict | None, inplace: bool) -> dict:
-    """One peak-growth measurement by `python -m prefillonly.memory_probe` in a fresh process
-    (bench_core's runner; here also on a 2-layer model of the real width)."""
-    from perf import bench_core
-
-    return bench_core.run_memory_probe(system, tokens, threads, timeout_s, chunk=CHUNK, inplace=inplace,
-                                       random_config=random_config)
-
-
-def fit_mil(points: list[dict], budget: int) -> dict | None:
-    """Least-squares growth = fixed + bytes/token * S over the 3 longest points; the largest S within budget."""
-    import numpy as np
-
-    pts = sorted(points, key=lambda p: p["tokens"])[-3:]
-    if len(pts) < 2:
-        return None
-    per_token, fixed = np.polyfit([p["tokens"] for p in pts], [p["growth_bytes"] for p in pts], 1)
-    if per_token <= 0:
-        return None
-    mil = int((budget - fixed) / per_token)
-    return {"bytes_per_token": float(per_token), "fixed_bytes": float(fixed), "mil": mil,
-            "fit_lengths": [p["tokens"] for p in pts], "growth_at_mil_plus_1": float(fixed + per_token * (mil + 1))}
 
 
 def engine_would_use_inplace(spec, tokens: int, budget: int) -> bool:
@@ -491,10 +455,22 @@ def engine_would_use_inplace(spec, tokens: int, budget: int) -> bool:
 
 def mil_for_system(system: str, args, budget: int, model_dir: str, core: dict) -> dict:
     """Lengths tried (real model, then the 2-layer model), stopping at the first failure; then the MIL."""
+    from perf.bench_core import describe_point, fit_growth, run_memory_probe
     from prefillonly.model_spec import ModelSpec
 
     core_name = "hybrid-inplace" if system == "ours" else "transformers"
     tried = []
+
+    def probe(tokens: int, random_config: dict | None, inplace: bool, method: str) -> dict:
+        """One peak-growth measurement by `python -m prefillonly.memory_probe` in a fresh process."""
+        what = f"mil {system} {tokens} tokens ({method}{', in-place attention' if inplace else ''})"
+        bu.log(f"{what} ...")
+        r = run_memory_probe(system, tokens, args.threads, args.probe_timeout, chunk=CHUNK, inplace=inplace,
+                             random_config=random_config)
+        tried.append({"tokens": tokens, "method": method, "inplace_attention": inplace, **r})
+        bu.log(f"{what}: {describe_point(r)}")
+        return r
+
     real = [p for p in core.get("points", []) if p["system"] == core_name]
     if real and not args.quick:
         for p in sorted(real, key=lambda p: p["tokens"]):
@@ -504,9 +480,7 @@ def mil_for_system(system: str, args, budget: int, model_dir: str, core: dict) -
     else:
         source = "run now"
         for s in QUICK_REAL_LENGTHS:
-            r = probe(system, s, args.threads, args.probe_timeout, None, inplace=system == "ours")
-            tried.append({"tokens": s, "method": "run, real model", "inplace_attention": system == "ours", **r})
-            bu.log(f"mil {system} {s} tokens (real model): {describe(r)}")
+            probe(s, None, system == "ours", "run, real model")
     config2 = two_layer_config(model_dir, positions=1 << 21)
     import transformers
 
@@ -518,11 +492,7 @@ def mil_for_system(system: str, args, budget: int, model_dir: str, core: dict) -
     for s in lengths2:
         if failed:
             break
-        inplace = system == "ours" and engine_would_use_inplace(spec2, s, budget)
-        bu.log(f"mil {system} {s} tokens (2-layer model of the same width{', in-place attention' if inplace else ''}) ...")
-        r = probe(system, s, args.threads, args.probe_timeout, config2, inplace)
-        tried.append({"tokens": s, "method": "run, 2-layer same-width model", "inplace_attention": inplace, **r})
-        bu.log(f"mil {system} {s} tokens (2-layer): {describe(r)}")
+        r = probe(s, config2, system == "ours" and engine_would_use_inplace(spec2, s, budget), "run, 2-layer same-width model")
         if "error" in r or r["growth_bytes"] > budget:
             failed = tried[-1]
     ok = [t for t in tried if "error" not in t and t["growth_bytes"] <= budget]
@@ -539,10 +509,10 @@ def mil_for_system(system: str, args, budget: int, model_dir: str, core: dict) -
             row.update(mil=last_ok["tokens"] if last_ok else 0, method="run: longest passing length")
     else:
         # extrapolate in the mode the engine uses near the limit: the real model's points (core.json)
-        fit = fit_mil([t for t in tried if t["method"].startswith("run, real") and "error" not in t], budget)
+        fit = fit_growth([t for t in tried if t["method"].startswith("run, real") and "error" not in t], budget)
         fit_source = f"real model{', in-place attention' if system == 'ours' else ''}"
         if fit is None:  # fewer than 2 real-model points (--quick): every measured point
-            fit, fit_source = fit_mil(ok, budget), "real and 2-layer points"
+            fit, fit_source = fit_growth(ok, budget), "real and 2-layer points"
         row["fit"] = fit
         longest = max(t["tokens"] for t in ok) if ok else 0
         row.update(mil=fit["mil"] if fit else None,
@@ -557,17 +527,11 @@ def mil_for_system(system: str, args, budget: int, model_dir: str, core: dict) -
     return row
 
 
-def describe(r: dict) -> str:
-    if "error" in r:
-        return r["error"]
-    return f"growth {r['growth_bytes'] / 2**20:.1f} MiB in {r['seconds']:.1f} s"
-
-
 def cmd_mil(args) -> dict:
     from perf import vllm_runner
 
     budget = int(args.budget_gib * 2**30)
-    model_dir = vllm_runner.default_model_dir()
+    model_dir = bu.default_model_dir()
     core = bu.load_json(bu.PERF_DIR / "results" / "core.json").get("memory", {})
     data = {**header(args, "mil"), "budget_bytes": budget, "rows": []}
     out_json = results_dir(args) / "mil.json"
@@ -767,11 +731,7 @@ def plot_load(d: dict, path: Path) -> bool:
         ax.set_title(f"post recommendation: {title}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return bu.save_figure(plt, fig, path)
 
 
 def cmd_report(args) -> str:
@@ -811,7 +771,7 @@ def cmd_all(args) -> None:
 
 
 # == CLI =====================================================================================
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n", 2)[2])
     sub = p.add_subparsers(dest="command", required=True)
@@ -855,20 +815,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if name == "_ours-offline":  # A/B runs of our engine (perf/bench_attention.py --end-to-end, bench_batching.py)
             q.add_argument("--attention-backend", default="auto")
             q.add_argument("--max-batch-tokens", type=int)
-    args = p.parse_args(argv)
-    if not args.command.startswith("_"):
-        args.scale = args.scale or ("tiny" if args.quick else "cpu")
-        args.reps = args.reps or (1 if args.quick else 3)
-        args.skip = {s for s in args.skip.split(",") if s}
-    return args
+    return p
 
 
-def main(argv: list[str]) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.command.startswith("_"):
         result = (inner_ours_offline if args.command == "_ours-offline" else inner_hf_offline)(args)
         bu.save_json(Path(args.out), result)
         return 0
+    args.scale = args.scale or ("tiny" if args.quick else "cpu")
+    args.reps = args.reps or (1 if args.quick else 3)
+    args.skip = {s for s in args.skip.split(",") if s}
     bu.log(f"perf/eval.py {args.command}: scale {args.scale}, seed {args.seed}, {args.threads} threads"
            + (" (quick: results under perf/out/eval-quick/)" if args.quick else ""))
     commands = {"workloads": cmd_workloads, "offline": cmd_offline, "load": cmd_load, "mil": cmd_mil,
@@ -881,4 +839,4 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

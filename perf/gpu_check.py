@@ -745,17 +745,17 @@ def environment(plan: Plan, smoke: bool) -> dict:
     }
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="folder for gpu_check.json / gpu_check.md")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (no GPU needed)")
     parser.add_argument("--budget-s", type=float, default=None, help="stop starting new work after this many seconds (default 420, smoke 90)")
     parser.add_argument("--skip", default="", help="comma list of steps to skip: correctness,perf,attention,memory")
-    return parser.parse_args(argv)
+    return parser
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     budget = args.budget_s or (90.0 if args.smoke else 420.0)
     plan = smoke_plan(budget) if args.smoke else gpu_plan(budget)
     if plan.device.type == "cuda" and not torch.cuda.is_available():

@@ -26,14 +26,16 @@ prompt token ids, max_tokens=1, logprobs, allowed_token_ids). Tests use a fake i
 from __future__ import annotations
 
 import json
-import math
 import threading
 import time
-import urllib.error
-import urllib.request
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
+from clients.transport import json_body, post
+from perf import benchutil as bu
 from perf import workloads as wl
 from prefillonly.serving.host import prometheus
 
@@ -90,7 +92,7 @@ def run_open_loop(backend, trace: wl.Trace, *, label: str = "", qps: float | Non
 
     timeout_s bounds one request (then it is an error, "timeout"); `metrics` is an optional
     callable returning counters, read before the first and after the last request."""
-    log = log or _default_log
+    log = log or bu.log
     requests = wl.arrival_order(trace)
     if any(r.arrival_s is None for r in requests):
         raise ValueError("the trace has no arrival times: stamp them with poisson_schedule()")
@@ -119,7 +121,7 @@ def run_open_loop(backend, trace: wl.Trace, *, label: str = "", qps: float | Non
         o = Outcome(r.request_id, r.user, len(r.prompt_token_ids), r.arrival_s)
         o.sent_s = time.perf_counter() - t0
         try:
-            answer = _call_with_timeout(backend, r, allowed, timeout_s)
+            answer = backend.score(r, allowed, timeout_s=timeout_s)  # backends pass the deadline to their transport
         except BaseException as e:  # noqa: BLE001 - every failure is an outcome, never a lost request
             o.done_s = time.perf_counter() - t0
             o.error = _error_text(e)
@@ -152,11 +154,6 @@ def run_open_loop(backend, trace: wl.Trace, *, label: str = "", qps: float | Non
     return LoadResult(label, qps, [outcomes[i] for i in ids], wall, metrics_before, _safe_metrics(metrics))
 
 
-def _call_with_timeout(backend, request, allowed, timeout_s: float) -> dict:
-    """backend.score with a deadline; backends pass it on to their transport where they can."""
-    return backend.score(request, allowed, timeout_s=timeout_s)
-
-
 def _error_text(e: BaseException) -> str:
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {text}"[:300]
@@ -171,19 +168,10 @@ def _safe_metrics(metrics) -> dict:
         return {"error": _error_text(e)}
 
 
-def _default_log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
 # -- statistics ---------------------------------------------------------------------------------
 def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolation percentile (numpy's default), q in [0, 100]; None for no values."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    """numpy's (linear-interpolation) percentile, q in [0, 100]; None for no values."""
+    return float(np.percentile(values, q)) if values else None
 
 
 def summarize(result: LoadResult) -> dict:
@@ -191,9 +179,7 @@ def summarize(result: LoadResult) -> dict:
     ok = [o for o in result.outcomes if o.ok]
     errors = [o for o in result.outcomes if not o.ok]
     latencies = [o.latency_s for o in ok]
-    kinds: dict[str, int] = {}
-    for o in errors:
-        kinds[o.error] = kinds.get(o.error, 0) + 1
+    kinds = dict(Counter(o.error for o in errors))
     first = min((o.arrival_s for o in result.outcomes), default=0.0)
     last = max((o.done_s for o in ok), default=None)
     span = (last - first) if last is not None else None
@@ -320,14 +306,10 @@ class VllmOpenAIBackend:
     def score(self, request: wl.TraceRequest, allowed: list[int], timeout_s: float = 600.0) -> dict:
         body = {"model": self.model, "prompt": list(request.prompt_token_ids), "max_tokens": 1, "temperature": 0,
                 "logprobs": self.logprobs, "allowed_token_ids": list(allowed)}
-        req = urllib.request.Request(f"{self.base_url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as r:
-                out = json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:300]
-            raise RuntimeError(f"HTTP {e.code}: {detail}") from None
+        status, raw, _ = post(f"{self.base_url}/v1/completions", json_body(body), timeout=timeout_s)
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {raw.decode(errors='replace')[:300]}")
+        out = json.loads(raw)
         usage = out.get("usage") or {}
         if usage.get("prompt_tokens") not in (None, len(request.prompt_token_ids)):
             raise RuntimeError(f"answer for {usage.get('prompt_tokens')} prompt tokens, sent {len(request.prompt_token_ids)}")

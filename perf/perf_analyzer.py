@@ -134,7 +134,7 @@ def read_perf_analyzer_csv(path: str | os.PathLike) -> list[dict[str, str]]:
         return [row for row in csv.DictReader(f) if any(v.strip() for v in row.values() if v)]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m perf.perf_analyzer",
         description=f"perf_analyzer {TRITON_SERVER_VERSION} (fetched once): print its path, or run it with the "
@@ -143,7 +143,11 @@ def main(argv: list[str] | None = None) -> int:
                                                      "~/.cache/prefillonly)")
     p.add_argument("--env", action="store_true", help="also print LD_LIBRARY_PATH=... to run it with")
     p.add_argument("args", nargs=argparse.REMAINDER, help="`-- ARGS...`: run perf_analyzer ARGS...")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     try:
         binary = perf_analyzer_path(a.cache_dir)
         env = perf_analyzer_env(cache_dir=a.cache_dir)

@@ -94,7 +94,7 @@ def default_path(workload: str, scale: str, seed: int, repeats: int = 1, arrival
     return OUT_DIR / f"{name}.json"
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Write perf_analyzer --input-data JSON for a seeded trace "
                                             "(same file for prefillonly and prefillonly_sync).")
     p.add_argument("workload", choices=["post-rec", "credit"])
@@ -106,7 +106,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="order requests by Poisson arrivals at this many req/s (default: trace order, user-major)")
     p.add_argument("--no-user", action="store_true", help="leave out the `user` input")
     p.add_argument("--out", type=Path, default=None, help="default: perf/out/perf_analyzer/<workload>_<scale>_s<seed>.json")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
 
     workload = a.workload.replace("-", "_")
     trace = build_trace(workload, a.scale, a.seed, a.arrival_qps)

@@ -19,13 +19,17 @@ from torch.profiler import ProfilerActivity, profile
 from prefillonly import Engine, EngineConfig
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m perf.profile_forward")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--tokens", type=int, default=5600)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--backends", default="cpu_flash,sdpa")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     ids = torch.randint(100, 40000, (args.tokens,), generator=torch.Generator().manual_seed(0))
     for backend in args.backends.split(","):
@@ -44,4 +48,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

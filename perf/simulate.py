@@ -145,9 +145,6 @@ def default_step_tokens(cost: CostModel) -> int:
     return DEFAULT_MAX_BATCH_TOKENS[cost.device]
 
 
-COST_MODELS = {"cpu": cpu_cost_model, "gpu": gpu_cost_model}
-
-
 # -- requests --------------------------------------------------------------------------------
 @dataclass
 class SimRequest:
@@ -188,10 +185,12 @@ def _key(*parts) -> bytes:
     return hashlib.blake2b("\0".join(map(str, parts)).encode(), digest_size=16).digest()
 
 
-def _skeleton(workload: str, scale, seed: int, reqs: list[SimRequest]) -> wl.Trace:
+def _workload(workload: str, scale, seed: int, block_size: int, reqs: list[SimRequest]) -> Workload:
+    """`reqs` as a Workload, with a skeleton trace of the same users and requests (no ids)."""
     s = wl.resolve_scale(scale, wl.POST_REC_SCALES if workload == "post_rec" else wl.CREDIT_SCALES)
     tr = [wl.TraceRequest(r.request_id, r.user, r.index_in_user, [], r.keep_len) for r in reqs]
-    return wl.Trace(workload, dataclasses.asdict(s), seed, wl.SMOLLM2_VOCAB_SIZE, wl.LOW_TOKEN_ID, [], [], tr)
+    skeleton = wl.Trace(workload, dataclasses.asdict(s), seed, wl.SMOLLM2_VOCAB_SIZE, wl.LOW_TOKEN_ID, [], [], tr)
+    return Workload(workload, scale if isinstance(scale, str) else "custom", seed, block_size, reqs, skeleton)
 
 
 def post_rec_workload(scale="paper", seed: int = 0, block_size: int = DEFAULT_BLOCK) -> Workload:
@@ -206,8 +205,7 @@ def post_rec_workload(scale="paper", seed: int = 0, block_size: int = DEFAULT_BL
             rid = f"u{u}/p{k}"
             keys = profile_keys + [_key("post_rec", seed, rid, i) for i in range(plen // block_size, n // block_size)]
             reqs.append(SimRequest(rid, u, k, n, plen, keys))
-    name = scale if isinstance(scale, str) else "custom"
-    return Workload("post_rec", name, seed, block_size, reqs, _skeleton("post_rec", scale, seed, reqs))
+    return _workload("post_rec", scale, seed, block_size, reqs)
 
 
 def credit_workload(scale="paper", seed: int = 0, block_size: int = DEFAULT_BLOCK) -> Workload:
@@ -216,8 +214,7 @@ def credit_workload(scale="paper", seed: int = 0, block_size: int = DEFAULT_BLOC
     for i, n in enumerate(wl.credit_lengths(scale, seed).tolist()):
         rid = f"c{i}"
         reqs.append(SimRequest(rid, i, 0, n + suffix, 0, [_key("credit", seed, rid, j) for j in range((n + suffix) // block_size)]))
-    name = scale if isinstance(scale, str) else "custom"
-    return Workload("credit", name, seed, block_size, reqs, _skeleton("credit", scale, seed, reqs))
+    return _workload("credit", scale, seed, block_size, reqs)
 
 
 def trace_workload(trace: wl.Trace, block_size: int = DEFAULT_BLOCK, model_id: str = "sim") -> Workload:
@@ -235,13 +232,15 @@ def trace_workload(trace: wl.Trace, block_size: int = DEFAULT_BLOCK, model_id: s
 WORKLOADS = {"post_rec": post_rec_workload, "credit": credit_workload}
 
 
+def perfect_cache_hit(r: SimRequest, block_size: int) -> int:
+    """The tokens a request finds cached when every request but a user's first finds the whole kept profile."""
+    return min((r.keep_len // block_size) * block_size, r.prompt_tokens - 1) if r.index_in_user > 0 else 0
+
+
 def perfect_cache_service_s(workload: Workload, cost: CostModel) -> float:
-    """Total service time if every request but a user's first found the whole kept profile cached."""
-    b, total = workload.block_size, 0.0
-    for r in workload.requests:
-        cached = min((r.keep_len // b) * b, r.prompt_tokens - 1) if r.index_in_user > 0 else 0
-        total += cost.seconds(r.prompt_tokens - cached, cached)
-    return total
+    """Total one-at-a-time service time with perfect caching."""
+    hits = [perfect_cache_hit(r, workload.block_size) for r in workload.requests]
+    return sum(cost.seconds(r.prompt_tokens - c, c) for r, c in zip(workload.requests, hits))
 
 
 def saturated_qps(workload: Workload, cost: CostModel, engines: int = 1) -> float:
@@ -250,9 +249,7 @@ def saturated_qps(workload: Workload, cost: CostModel, engines: int = 1) -> floa
 
 def engine_of(user, engines: int) -> int:
     """Stable user -> engine routing (blake2b of the user id, not Python's salted hash)."""
-    if engines == 1:
-        return 0
-    return int.from_bytes(hashlib.blake2b(str(user).encode(), digest_size=8).digest(), "little") % engines
+    return _hash64(str(user)) % engines
 
 
 # -- routing across engines (the fleet's Envoy policies) -----------------------------------------
@@ -429,7 +426,7 @@ class SimResult:
         total = hit + sum(r.uncached for r in self.records)
         first = min(r.arrival_s for r in self.records)
         last = max(r.done_s for r in self.records)
-        out = {
+        return {
             "offered_qps": qps,
             "completed": len(self.records),
             "rejected": len(self.rejected),
@@ -455,7 +452,6 @@ class SimResult:
             "load_imbalance": _imbalance([r.engine for r in self.records], len(self.engines)),
             "sim_wall_s": self.wall_s,
         }
-        return out
 
 
 def _imbalance(engine_ids: list[int], engines: int) -> float:
@@ -611,9 +607,7 @@ def run_scenario(sc: Scenario, loads: list[float], policies: list[str], seed: in
 
 def perfect_cache_tokens(work: Workload) -> int:
     """Tokens computed with perfect caching."""
-    b = work.block_size
-    return sum(r.prompt_tokens - (min((r.keep_len // b) * b, r.prompt_tokens - 1) if r.index_in_user > 0 else 0)
-               for r in work.requests)
+    return sum(r.prompt_tokens - perfect_cache_hit(r, work.block_size) for r in work.requests)
 
 
 # -- pick cost ----------------------------------------------------------------------------------
@@ -632,16 +626,10 @@ def measure_pick_cost(sizes=(1000, 5000), block_size: int = DEFAULT_BLOCK, reps:
             for size in sizes:
                 clock = _Clock()
                 index = PrefixIndex(sum(r.keep_len // block_size for r in work.requests if r.index_in_user == 0), block_size=block_size)
-                if cached:
+                if cached:  # each user's profile computed and kept, as the engine keeps it
                     for r in work.requests:
                         if r.index_in_user == 0:
-                            parent, blocks = None, []
-                            for h in r.block_keys[: r.keep_len // block_size]:
-                                blk, _ = index.reserve(h, parent)
-                                blocks.append(blk)
-                                parent = h
-                            index.mark_ready(blocks)
-                            index.unpin(blocks)
+                            index.commit(index.begin(r.block_keys, r.prompt_tokens, r.keep_len)[0])
                 est = JctEstimator()
                 for u, c in [(14000, 0), (200, 14000), (180, 12000), (16000, 0), (150, 16000)]:
                     est.observe(u, c, cost.seconds(u, c))
@@ -863,11 +851,7 @@ def plot(data: dict, path: Path) -> bool:
     order = [f"{_label(p)} {m}" for p in POLICIES for m in ("mean", "P99") if f"{_label(p)} {m}" in handles]
     spare = axes.flat[len(scs)] if len(scs) < axes.size else axes.flat[0]
     spare.legend([handles[k] for k in order], order, fontsize=7, loc="center" if spare is not axes.flat[0] else "best")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return True
+    return bu.save_figure(plt, fig, path, dpi=80)
 
 
 # -- the fleet: Envoy's routing policies at paper scale ---------------------------------------------
@@ -934,7 +918,7 @@ def merge_results(previous: dict, new: dict, order: list[Scenario]) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="cpu-scale traces, 4 loads, prints only (smoke run)")
     p.add_argument("--scenario", metavar="NAME_SUBSTRING",
@@ -955,6 +939,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fleet", action="store_true", help="only the fleet routing comparison (Envoy policies, 64 engines, 20K users)")
     p.add_argument("--fleet-users", type=int, default=20_000)
     p.add_argument("--fleet-engines", type=int, default=64)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
     if a.fleet:
         data = run_fleet(engines=a.fleet_engines, users=a.fleet_users, seed=a.seed, mfu=a.mfu)

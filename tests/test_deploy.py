@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from prefillonly.serving.host.envoy_config import AFFINITY_LB, ROUTINGS, USER_HEADER, FrontDoor, Upstream, envoy_config, validate_config
+from prefillonly.serving.host.envoy_config import (AFFINITY_LB, ROUTINGS, USER_HEADER, FrontDoor, Upstream, envoy_config,
+                                                   validate_config)
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "kubernetes"

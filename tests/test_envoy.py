@@ -9,19 +9,17 @@ from __future__ import annotations
 import http.client
 import http.server
 import json
-import queue
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from prefillonly.serving.host.envoy_config import ProxyError, FrontDoor, Upstream, envoy_config, validate_config
-from prefillonly.serving.host.envoy import EnvoyProxy
+from clients.transport import GrpcStream, post_json
 from prefillonly.serving.host.addresses import free_ports
-from clients.transport import post_json
+from prefillonly.serving.host.envoy import EnvoyProxy
+from prefillonly.serving.host.envoy_config import FrontDoor, ProxyError, Upstream, envoy_config, validate_config
 from prefillonly.serving.host.model_settings import copy_model_repository
 from prefillonly.serving.host.triton_server import running_server
 
@@ -176,8 +174,6 @@ def test_front_door_bounds_bodies_strips_the_header_and_says_unavailable(tmp_pat
 
 
 def test_in_front_of_a_real_tritonserver(tmp_path, small_served_model):
-    import tritonclient.grpc as grpcclient
-
     repo = copy_model_repository(REPO, tmp_path / "repo", models=("prefillonly",), model=small_served_model,
                                  dtype="float32", threads="1")
     with running_server(repo, ready_timeout=180) as server:
@@ -199,18 +195,15 @@ def test_in_front_of_a_real_tritonserver(tmp_path, small_served_model):
             assert status == 413 and reply["error"].startswith("invalid_request: "), (status, reply)
             assert server.poll() is None and server.is_ready()
 
-            answers = queue.Queue()
-            with grpcclient.InferenceServerClient(proxy.grpc_url) as client:
-                assert client.is_server_ready()
-                client.start_stream(callback=lambda result, error: answers.put((result, error)),
-                                    headers={"triton_grpc_error": "true"})
-                client.async_stream_infer("prefillonly", grpc_inputs(grpcclient), request_id="good-1")
-                client.async_stream_infer("prefillonly", grpc_inputs(grpcclient, allowed=None), request_id="bad")
-                client.async_stream_infer("prefillonly", grpc_inputs(grpcclient), request_id="good-2")
+            good, bad = {"text_input": "Hi", "allowed_tokens": " Yes"}, {"text_input": "Hi"}
+            with GrpcStream(proxy.grpc_url, headers={"triton_grpc_error": "true"}) as stream:
+                assert stream.client.is_server_ready()
+                stream.send(good, request_id="good-1")
+                stream.send(bad, request_id="bad")
+                stream.send(good, request_id="good-2")
                 # answers come in any order (the bad request fails before the first one is scored);
                 # an in-stream error carries no request id, a result does
-                got = [answers.get(timeout=60) for _ in range(3)]
-                client.stop_stream()
+                got = [stream.get(timeout=60) for _ in range(3)]
             errors = [error for result, error in got if error is not None]
             results = {result.get_response().id: result for result, error in got if error is None}
             # the header was stripped: Triton sent the error in the stream instead of ending it (sent
@@ -220,12 +213,3 @@ def test_in_front_of_a_real_tritonserver(tmp_path, small_served_model):
             assert all(r.as_numpy("chosen_token") is not None for r in results.values())
         assert server.poll() is None
 
-
-def grpc_inputs(module, text="Hi", allowed=" Yes"):
-    prompt = module.InferInput("text_input", [1], "BYTES")
-    prompt.set_data_from_numpy(np.array([text.encode()], dtype=np.object_))
-    if allowed is None:
-        return [prompt]
-    tokens = module.InferInput("allowed_tokens", [1], "BYTES")
-    tokens.set_data_from_numpy(np.array([allowed.encode()], dtype=np.object_))
-    return [prompt, tokens]

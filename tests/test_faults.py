@@ -20,18 +20,16 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from clients.transport import GrpcStream, http_generate, post
 from prefillonly.serving.host.addresses import free_ports
+from prefillonly.serving.host.model_settings import copy_model_repository
 from prefillonly.serving.host.probe import ready_status
 from prefillonly.serving.host.supervisor import ServeOptions, Supervisor
-from clients.transport import post_json
-from prefillonly.serving.host.model_settings import copy_model_repository
 from prefillonly.serving.host.triton_server import ADMIN_KEY_HEADER
 
 from .test_triton_lifecycle import in_background
@@ -44,50 +42,8 @@ LONG = [5] * 6000  # token ids: a second or more on one thread on the small mode
 def generate(url, body, timeout=120):
     """HTTP generate: (status, reply, seconds)."""
     t0 = time.perf_counter()
-    status, reply = post_json(f"{url}/v2/models/prefillonly/generate", body, timeout)
+    status, reply = http_generate(url, body, timeout)
     return status, reply, time.perf_counter() - t0
-
-
-def post_raw(url, data: bytes, headers=None, timeout=60):
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
-class Stream:
-    """One gRPC stream; answers() collects (request id, result, error) per final response."""
-
-    def __init__(self, url, headers=None):
-        import tritonclient.grpc as grpcclient
-
-        self.module = grpcclient
-        self.client = grpcclient.InferenceServerClient(url)
-        self.queue = queue.Queue()
-        self.client.start_stream(callback=lambda result, error: self.queue.put((result, error)), headers=headers)
-
-    def send(self, tensors: dict, request_id=""):
-        ins = []
-        for name, value in tensors.items():
-            value = np.asarray(value)
-            dtype = "BYTES" if value.dtype == object else {"int64": "INT64", "bool": "BOOL", "float32": "FP32"}[str(value.dtype)]
-            t = self.module.InferInput(name, list(value.shape), dtype)
-            t.set_data_from_numpy(value)
-            ins.append(t)
-        self.client.async_stream_infer("prefillonly", ins, request_id=request_id)
-
-    def get(self, timeout=120):
-        return self.queue.get(timeout=timeout)
-
-    def close(self):
-        self.client.stop_stream()
-        self.client.close()
-
-
-def text(*values) -> np.ndarray:
-    return np.array([v.encode() if isinstance(v, str) else v for v in values], dtype=np.object_)
 
 
 def serve_options(repo, **kw) -> ServeOptions:
@@ -129,7 +85,7 @@ def test_json_body_over_4_mib_is_refused_by_the_front_door(front):
     body = json.dumps({"text_input": "hello world " * 349525, "allowed_tokens": [" Yes"]}).encode()
     assert len(body) > 4 * 2**20
     for path in ("/v2/models/prefillonly/generate", "/v2/models/prefillonly/infer"):
-        status, reply = post_raw(front.http_url + path, body)
+        status, reply, _ = post(front.http_url + path, body)
         error = json.loads(reply)["error"]
         assert status == 413 and error.startswith("invalid_request") and "max_request_bytes" in error, (status, reply[:300])
     assert_still_serving(front)
@@ -139,16 +95,16 @@ def test_grpc_error_header_no_longer_crashes_the_server(front):
     """Item 2: with `triton_grpc_error: true`, an error on a stream while another request on it
     was in flight crashed Triton. The front door strips the header: the error comes back as a
     message and the stream stays open."""
-    stream = Stream(front.grpc_url, headers={"triton_grpc_error": "true"})
+    stream = GrpcStream(front.grpc_url, headers={"triton_grpc_error": "true"})
     try:
-        stream.send({"input_ids": np.array([5] * 4000, np.int64), "allowed_token_ids": np.array([1], np.int64)}, "long")
+        stream.send({"input_ids": [5] * 4000, "allowed_token_ids": [1]}, "long")
         time.sleep(0.3)
-        stream.send({"text_input": text("no allowed tokens")}, "bad")
+        stream.send({"text_input": "no allowed tokens"}, "bad")
         answers = [stream.get() for _ in range(2)]
         errors = [e.message() for _, e in answers if e is not None]
         results = [r for r, e in answers if e is None]
         assert len(results) == 1 and len(errors) == 1 and errors[0].startswith("invalid_request"), (errors, results)
-        stream.send({"text_input": text("Hi"), "allowed_tokens": text(" Yes")}, "after")
+        stream.send({"text_input": "Hi", "allowed_tokens": " Yes"}, "after")
         result, error = stream.get()
         assert error is None and result.as_numpy("chosen_token") is not None
     finally:
@@ -180,10 +136,10 @@ def test_a_huge_prompt_is_refused_before_tokenizing_and_stalls_nobody(front):
     waited. Over gRPC (no body limit there) it is refused by its byte length at once; a prompt
     under the byte bound but over the token limit is tokenized off the thread that takes
     Triton's requests. A short request sent meanwhile is answered in well under the old stall."""
-    stream = Stream(front.grpc_url)
+    stream = GrpcStream(front.grpc_url)
     try:
-        stream.send({"text_input": text("hello world " * 1_700_000), "allowed_tokens": text(" Yes")}, "huge")
-        stream.send({"text_input": text("hello world " * 100_000), "allowed_tokens": text(" Yes")}, "long-text")
+        stream.send({"text_input": "hello world " * 1_700_000, "allowed_tokens": " Yes"}, "huge")
+        stream.send({"text_input": "hello world " * 100_000, "allowed_tokens": " Yes"}, "long-text")
         time.sleep(0.05)
         status, reply, seconds = generate(front.http_url, {"text_input": "Hi", "allowed_tokens": [" Yes"]})
         assert status == 200 and seconds < 2.0, (status, reply, seconds)
@@ -219,13 +175,13 @@ def test_admin_apis_need_the_admin_key(front):
     import tritonclient.grpc as grpcclient
 
     url = front.http_url
-    status, reply = post_raw(f"{url}/v2/logging", b'{"log_verbose_level": 1}')
+    status, reply, _ = post(f"{url}/v2/logging", b'{"log_verbose_level": 1}')
     assert status == 403 and ADMIN_KEY_HEADER in reply.decode(), (status, reply)
-    status, _ = post_raw(f"{url}/v2/systemsharedmemory/region/r/register", b'{"key": "/k", "offset": 0, "byte_size": 8}')
+    status, _, _ = post(f"{url}/v2/systemsharedmemory/region/r/register", b'{"key": "/k", "offset": 0, "byte_size": 8}')
     assert status == 403
-    status, _ = post_raw(f"{url}/v2/repository/models/prefillonly/unload", b"{}")
+    status, _, _ = post(f"{url}/v2/repository/models/prefillonly/unload", b"{}")
     assert status == 403
-    status, reply = post_raw(f"{url}/v2/logging", b'{"log_verbose_level": 0}', headers={ADMIN_KEY_HEADER: ADMIN_KEY})
+    status, reply, _ = post(f"{url}/v2/logging", b'{"log_verbose_level": 0}', headers={ADMIN_KEY_HEADER: ADMIN_KEY})
     assert status == 200, reply
     with grpcclient.InferenceServerClient(front.grpc_url) as client:
         with pytest.raises(Exception, match="restricted"):
@@ -254,7 +210,7 @@ def test_fuzzed_requests_each_get_one_final_response(front):
     @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(body=bodies)
     def http_case(body):
-        status, reply = post_raw(f"{front.http_url}/v2/models/prefillonly/generate", json.dumps(body).encode())
+        status, reply, _ = post(f"{front.http_url}/v2/models/prefillonly/generate", json.dumps(body).encode())
         parsed = json.loads(reply)  # always JSON, never a dropped connection
         assert (status == 200 and "chosen_token" in parsed) or (status >= 400 and parsed.get("error")), (body, status, reply)
 
@@ -264,7 +220,7 @@ def test_fuzzed_requests_each_get_one_final_response(front):
         st.lists(st.booleans(), min_size=1, max_size=2).map(lambda v: np.array(v, dtype=bool)),
         st.lists(st.floats(-1, 1, width=32), max_size=3).map(lambda v: np.array(v, dtype=np.float32)),
     )
-    stream = Stream(front.grpc_url)
+    stream = GrpcStream(front.grpc_url)
     sent = [0]
 
     @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
@@ -304,8 +260,8 @@ def test_killed_engine_is_detected_answered_and_restarted(tmp_path, small_served
     with supervised(tmp_path, small_served_model) as sup:
         http = [in_background(generate, sup.http_url, {"input_ids": LONG[:-i - 1], "allowed_token_ids": [1]}, 120)
                 for i in range(3)]
-        stream = Stream(sup.grpc_url)
-        stream.send({"input_ids": np.array(LONG, np.int64), "allowed_token_ids": np.array([1], np.int64)})
+        stream = GrpcStream(sup.grpc_url)
+        stream.send({"input_ids": LONG, "allowed_token_ids": [1]})
         time.sleep(1.0)
         (stub,) = sup.server.stub_pids()
         os.kill(stub, signal.SIGKILL)
@@ -344,9 +300,9 @@ def test_sigterm_with_a_backlog_longer_than_the_exit_timeout_answers_every_reque
         while ready_status(f"http://127.0.0.1:{http}") != 200:
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "not ready"
             time.sleep(0.3)
-        stream = Stream(f"127.0.0.1:{grpc}")
+        stream = GrpcStream(f"127.0.0.1:{grpc}")
         for i in range(16):  # ~16 x 2-3 s of work: far longer than the exit timeout
-            stream.send({"input_ids": np.array([5] * 8000, np.int64), "allowed_token_ids": np.array([1], np.int64)}, f"r{i}")
+            stream.send({"input_ids": [5] * 8000, "allowed_token_ids": [1]}, f"r{i}")
         time.sleep(1.0)
         proc.send_signal(signal.SIGTERM)
         answers = [stream.get(timeout=60) for _ in range(16)]

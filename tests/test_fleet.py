@@ -9,13 +9,12 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
+from clients.transport import json_body, post
 from prefillonly.cache.kv_pool import KVPool
 from prefillonly.model_spec import ModelSpec
 from prefillonly.serving.host.envoy_config import REPLICA_HEADER, USER_HEADER
@@ -44,15 +43,9 @@ def fleet(tmp_path_factory, small_served_model):
 
 
 def _generate(url: str, body: dict, header_user: str | None = None, timeout: float = 120) -> tuple[int, dict, str | None]:
-    headers = {"Content-Type": "application/json"}
-    if header_user is not None:
-        headers[USER_HEADER] = header_user
-    req = urllib.request.Request(f"{url}/v2/models/prefillonly/generate", data=json.dumps(body).encode(), headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read()), r.headers.get(REPLICA_HEADER)
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}"), e.headers.get(REPLICA_HEADER)
+    headers = {USER_HEADER: header_user} if header_user is not None else None
+    status, raw, reply_headers = post(f"{url}/v2/models/prefillonly/generate", json_body(body), headers, timeout)
+    return status, json.loads(raw or b"{}"), reply_headers.get(REPLICA_HEADER)
 
 
 def _body(ids: list[int], user: str) -> dict:

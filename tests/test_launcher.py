@@ -15,9 +15,9 @@ import pytest
 
 from perf.perf_analyzer import PerfAnalyzerUnavailable, perf_analyzer_env, perf_analyzer_path
 from prefillonly.serving.host.server_tree import ServerError, prepare_server_dir
-from prefillonly.serving.host.triton_server import TritonServer
-from prefillonly.serving.host.triton_server import running_server
-from tests.echo_model import write_echo_model
+from prefillonly.serving.host.triton_server import TritonServer, running_server
+
+from .echo_model import write_echo_model
 
 TEXT = "héllo, prefill wörld"
 

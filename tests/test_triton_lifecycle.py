@@ -4,16 +4,14 @@ request takes it out of the queue, and SIGTERM answers every request in flight."
 
 from __future__ import annotations
 
-import queue
 import signal
 import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from clients.transport import post_json
+from clients.transport import GrpcStream, post_json, unary_infer
 from prefillonly.serving.host.model_settings import copy_model_repository
 from prefillonly.serving.host.prometheus import scrape_metrics
 from prefillonly.serving.host.triton_server import running_server
@@ -22,6 +20,7 @@ REPO = Path(__file__).resolve().parents[1] / "model_repository"
 LONG = [5] * 8000  # token ids: a few seconds of work on one thread on the small model
 WAITING = 'prefillonly_waiting_requests'
 CANCELLED = 'prefillonly_requests_total{outcome="cancelled"}'
+HI = {"text_input": "Hi", "allowed_tokens": [" Yes"]}
 
 
 def post(url, body, timeout=120):
@@ -45,33 +44,16 @@ def wait_for_metric(server, key, value, timeout=10.0):
     assert got == value, f"{key} is {got}, expected {value}"
 
 
-def inputs(module, text="Hi"):
-    """text_input + allowed_tokens as tritonclient InferInputs of `module` (http or grpc)."""
-    prompt = module.InferInput("text_input", [1], "BYTES")
-    prompt.set_data_from_numpy(np.array([text.encode()], dtype=np.object_))
-    allowed = module.InferInput("allowed_tokens", [1], "BYTES")
-    allowed.set_data_from_numpy(np.array([b" Yes"], dtype=np.object_))
-    return [prompt, allowed]
-
-
 def stream_one(url, headers=None):
     """One request over a fresh gRPC stream: the InferenceServerException it got (or None)."""
-    import tritonclient.grpc as grpcclient
-
-    answers = queue.Queue()
-    with grpcclient.InferenceServerClient(url) as client:
-        client.start_stream(callback=lambda result, error: answers.put(error), headers=headers)
-        client.async_stream_infer("prefillonly", inputs(grpcclient))
-        error = answers.get(timeout=30)
-        client.stop_stream()
-    return error
+    with GrpcStream(url, headers) as stream:
+        return stream.call(HI, 30)[1]
 
 
-def unary_error(module, url):
+def unary_error(protocol, url):
     """The exception a plain (unary) infer through the forwarder raises."""
-    with module.InferenceServerClient(url) as client:
-        with pytest.raises(Exception) as info:
-            client.infer("prefillonly_sync", inputs(module))
+    with pytest.raises(Exception) as info:
+        unary_infer(url, HI, 30, protocol)
     return info.value
 
 
@@ -82,31 +64,26 @@ def test_full_queue_refused_at_once_with_status_per_call_style_and_cancel_frees_
     and a gRPC stream only a message, or UNAVAILABLE closing the stream when the client asks with
     the triton_grpc_error header. Every message starts with "overloaded". Then the waiting
     request's stream is cancelled: it leaves the queue, and the server keeps serving."""
-    import tritonclient.grpc as grpcclient
-    import tritonclient.http as httpclient
-
     repo = copy_model_repository(REPO, tmp_path / "repo", model=small_served_model, dtype="float32",
                                  threads="1", max_waiting="1")
     with running_server(repo, ready_timeout=180) as server:
         busy, busy_out = in_background(post, server.http_url, {"input_ids": LONG, "allowed_token_ids": [1]})
         time.sleep(1.0)  # the long request is running
-        waiter = grpcclient.InferenceServerClient(server.grpc_url)
-        waiter_answers = queue.Queue()
-        waiter.start_stream(callback=lambda result, error: waiter_answers.put((result, error)))
-        waiter.async_stream_infer("prefillonly", inputs(grpcclient, "I wait"), request_id="waiter-1")
+        waiter = GrpcStream(server.grpc_url)
+        waiter.send({**HI, "text_input": "I wait"}, request_id="waiter-1")
         wait_for_metric(server, WAITING, 1)  # the queue is full ...
-        assert waiter_answers.empty(), waiter_answers.get()  # ... with the waiter (not the long one) in it
+        assert waiter.answers.empty(), waiter.get(0)  # ... with the waiter (not the long one) in it
 
-        status, body, seconds = post(server.http_url, {"text_input": "Hi", "allowed_tokens": [" Yes"]})
+        status, body, seconds = post(server.http_url, HI)
         assert status >= 400 and body["error"].startswith("overloaded: 1 requests already waiting") and seconds < 2, \
             (status, body, seconds)
         status, body = post_json(f"{server.http_url}/v2/models/prefillonly_sync/infer",
                                  {"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["Hi"]},
                                              {"name": "allowed_tokens", "shape": [1], "datatype": "BYTES", "data": [" Yes"]}]})
         assert status == 503 and body["error"].startswith("overloaded"), (status, body)
-        error = unary_error(httpclient, server.http_url.replace("http://", ""))
+        error = unary_error("http", server.http_url)
         assert error.status() == "503" and error.message().startswith("overloaded"), error
-        error = unary_error(grpcclient, server.grpc_url)
+        error = unary_error("grpc", server.grpc_url)
         assert error.status() == "StatusCode.UNAVAILABLE" and error.message().startswith("overloaded"), error
         error = stream_one(server.grpc_url)
         assert error is not None and error.message().startswith("overloaded"), error
@@ -114,16 +91,16 @@ def test_full_queue_refused_at_once_with_status_per_call_style_and_cancel_frees_
         assert error is not None and error.status() == "StatusCode.UNAVAILABLE" and "overloaded" in error.message(), error
 
         before = scrape_metrics(server.metrics_url).get(CANCELLED, 0)
-        waiter.stop_stream(cancel_requests=True)
-        waiter.close()
+        waiter.client.stop_stream(cancel_requests=True)  # the client gives up on the waiting request
+        waiter.client.close()
         wait_for_metric(server, CANCELLED, before + 1)
         wait_for_metric(server, WAITING, 0)
         assert busy.is_alive(), "the long request ended before the cancellation was checked: make LONG longer"
-        result, error = waiter_answers.get(timeout=5)  # tritonclient tells the canceller itself
+        result, error = waiter.get(timeout=5)  # tritonclient tells the canceller itself
         assert result is None and error.status() == "StatusCode.CANCELLED", (result, error)
         busy.join(120)
         assert busy_out["r"][0] == 200
-        assert post(server.http_url, {"text_input": "Hi", "allowed_tokens": [" Yes"]})[0] == 200
+        assert post(server.http_url, HI)[0] == 200
         log = server.log_tail(10**7)
     assert "request 'waiter-1' failed: cancelled" in log  # one line, with the request id
 

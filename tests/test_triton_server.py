@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import ast
 import json
-import queue
 from concurrent.futures import CancelledError
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from clients.transport import post_json
+from clients.transport import GrpcStream, post_json, unary_infer
 from prefillonly.serving.host.model_settings import copy_model_repository
 from prefillonly.serving.host.prometheus import scrape_metrics
 from prefillonly.serving.host.triton_server import running_server
@@ -84,29 +82,17 @@ def test_bad_input_is_an_error_naming_the_problem_and_the_server_keeps_serving(s
 
 
 def test_grpc_streaming_concurrent_requests_each_answered_once(server, engine):
-    import tritonclient.grpc as grpcclient
-
     prompts = [f"Question {i}: is {i} even? Answer:" for i in range(16)]
-    answers: "queue.Queue" = queue.Queue()
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    client.start_stream(callback=lambda result, error: answers.put((result, error)))
-    try:
+    with GrpcStream(server.grpc_url) as stream:
         for i, p in enumerate(prompts):
-            text = grpcclient.InferInput("text_input", [1], "BYTES")
-            text.set_data_from_numpy(np.array([p.encode()], dtype=np.object_))
-            allowed = grpcclient.InferInput("allowed_tokens", [2], "BYTES")
-            allowed.set_data_from_numpy(np.array([b" Yes", b" No"], dtype=np.object_))
-            client.async_stream_infer("prefillonly", [text, allowed], request_id=str(i))
+            stream.send({"text_input": p, "allowed_tokens": [" Yes", " No"]}, request_id=str(i))
         got = {}
         for _ in prompts:
-            result, error = answers.get(timeout=120)
+            result, error = stream.get(timeout=120)
             assert error is None, error
             rid = result.get_response().id
             assert rid not in got
             got[rid] = result.as_numpy("allowed_logprobs")
-    finally:
-        client.stop_stream()
-        client.close()
     assert sorted(got, key=int) == [str(i) for i in range(16)]
     for i, p in enumerate(prompts):
         want = engine.score(p, [" Yes", " No"])
@@ -131,24 +117,13 @@ def test_perf_analyzer_streaming_load_has_no_errors(server, tmp_path):
 
 
 def test_plain_http_infer_and_grpc_unary_through_the_forwarder(server, engine):
-    import tritonclient.grpc as grpcclient
-    import tritonclient.http as httpclient
-
     want = engine.score(PROMPT, [" Yes", " No"])
-    for module, url in ((httpclient, server.http_url.replace("http://", "")), (grpcclient, server.grpc_url)):
-        client = module.InferenceServerClient(url)
-        text = module.InferInput("text_input", [1], "BYTES")
-        text.set_data_from_numpy(np.array([PROMPT.encode()], dtype=np.object_))
-        allowed = module.InferInput("allowed_tokens", [2], "BYTES")
-        allowed.set_data_from_numpy(np.array([b" Yes", b" No"], dtype=np.object_))
-        result = client.infer("prefillonly_sync", [text, allowed])
+    for protocol, url in (("http", server.http_url), ("grpc", server.grpc_url)):
+        result = unary_infer(url, {"text_input": PROMPT, "allowed_tokens": [" Yes", " No"]}, 120, protocol)
         assert result.as_numpy("allowed_logprobs").tolist() == pytest.approx([t.logprob for t in want.tokens], abs=1e-4)
-        bad = module.InferInput("text_input", [1], "BYTES")
-        bad.set_data_from_numpy(np.array([PROMPT.encode()], dtype=np.object_))
         with pytest.raises(Exception, match="missing allowed tokens") as info:
-            client.infer("prefillonly_sync", [bad])
+            unary_infer(url, {"text_input": PROMPT}, 120, protocol)
         assert info.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")  # the caller's fault, not the server's
-        client.close()
 
 
 def test_metrics_endpoint_exports_engine_metrics_that_move(server):

