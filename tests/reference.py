@@ -13,9 +13,12 @@ def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
 
 
 def load_hf(folder: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
+    """transformers' model of `folder` in `dtype`: its default attention, eager for Gemma (whose
+    soft-capping and windows transformers computes exactly only there)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    gemma = AutoConfig.from_pretrained(folder).model_type.startswith("gemma")
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **({"attn_implementation": "eager"} if gemma else {})).eval()
 
 
 def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -169,15 +169,20 @@ def _check_shapes(q, k) -> None:
         raise ValueError(f"bad attention shapes q={tuple(q.shape)} k={tuple(k.shape)}")
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: str = "sdpa") -> torch.Tensor:
-    """q: [Hq, Lq, D]; k, v: [Hkv, Lk, D] with Lk >= Lq and Hq % Hkv == 0. Returns [Hq, Lq, D]."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: str = "sdpa",
+                     window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """q: [Hq, Lq, D]; k, v: [Hkv, Lk, D] with Lk >= Lq and Hq % Hkv == 0. Returns [Hq, Lq, D].
+    window > 0: a query at t sees keys (t - window, t] only; softcap > 0: soft-capped scores
+    (the compiled kernel where it applies, else the explicit banded path)."""
     _check_shapes(q, k)
     hq, lq, _ = q.shape
     hkv, lk, _ = k.shape
+    if cpu_flash_applies(backend, q):
+        return cpu_flash_attention(q, k, v, scale, window=window, softcap=softcap)
+    if (window and window < lk) or softcap:
+        return banded_attention(q, k, v, scale, window=window, softcap=softcap)
     if backend == "flash_attn":
         return _flash_attn(q, k, v, scale)
-    if cpu_flash_applies(backend, q):
-        return cpu_flash_attention(q, k, v, scale)
     gqa = hq != hkv
     if lq == lk:
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=gqa)
@@ -198,7 +203,8 @@ def inplace_attention_supported(device: torch.device) -> bool:
 
 
 def causal_attention_inplace(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                             block: int = INPLACE_QUERY_BLOCK, backend: str = "sdpa") -> torch.Tensor:
+                             block: int = INPLACE_QUERY_BLOCK, backend: str = "sdpa", window: int = 0,
+                             softcap: float = 0.0) -> torch.Tensor:
     """causal_attention, written over q (CPU).
 
     A query block's output depends only on its own queries, so it can replace them: the
@@ -209,7 +215,9 @@ def causal_attention_inplace(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """
     _check_shapes(q, k)
     if cpu_flash_applies(backend, q):
-        return cpu_flash_attention(q, k, v, scale, out=q)
+        return cpu_flash_attention(q, k, v, scale, out=q, window=window, softcap=softcap)
+    if (window and window < k.shape[1]) or softcap:
+        return banded_attention(q, k, v, scale, window=window, softcap=softcap, out=q)
     lq = q.shape[1]
     p = k.shape[1] - lq
     for i0 in range(0, lq, block):

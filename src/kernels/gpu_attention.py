@@ -240,6 +240,7 @@ class BatchAttention:
                 if pg is not None:
                     self.table[i, : pg[1].shape[0]] = pg[1].to(device=device, dtype=torch.int32)
 
-    def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0,
+            softcap: float = 0.0) -> torch.Tensor:
         pages = (self.pool.k[layer], self.pool.v[layer], self.table) if self.pool is not None else None
-        return prefill_attention(q, k, v, q, self.layout, self.scale, pages)
+        return prefill_attention(q, k, v, q, self.layout, self.scale, pages, window=window, softcap=softcap)
