@@ -113,7 +113,7 @@ class HybridPrefillExecutor:
         self.device = device
         self.attention_backend = attention_backend
         # one RoPE table per layer type where the config has one per type, else one for all
-        self.layer_rope = [t if t else None for t in (spec.layer_types or [None] * spec.num_layers)]
+        self.layer_rope = [spec.rope_table(i) for i in range(spec.num_layers)]
         self.rotaries = {t: RotaryTable(spec, device, t) for t in set(self.layer_rope)}
         self.scale = spec.softmax_scale
         self.rope_dtype = rope_table_dtype(device, dtype)

@@ -53,6 +53,7 @@ class ModelSpec:
     hf_config: object  # the transformers config, kept for rope init and the reference model
     # Gemma 2/3 (defaults: the Llama-like families)
     layer_types: tuple[str, ...] = ()  # per layer, one of LAYER_TYPES; () = every layer full attention
+    rope_per_layer_type: bool = False  # RoPE parameters per layer type (Gemma 3), else one set for all
     attention_scale: float | None = None  # softmax scale; None = head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     embed_scale: float | None = None  # embeddings are multiplied by it (Gemma: sqrt(hidden_size), in the model dtype)
     norm_plus_one: bool = False  # RMSNorm weights are stored as w and used as (1 + w) (Gemma)
@@ -66,6 +67,14 @@ class ModelSpec:
         if self.layer_types and self.layer_types[layer] == "sliding_attention":
             return int(self.sliding_window)
         return 0
+
+    def rope_table(self, layer: int) -> str | None:
+        """Which RoPE table `layer` uses: its layer type where the parameters differ by type, else None."""
+        return self.layer_types[layer] if self.rope_per_layer_type else None
+
+    @property
+    def rope_tables(self) -> int:
+        return len({self.rope_table(i) for i in range(self.num_layers)})
 
     @property
     def softmax_scale(self) -> float:
@@ -126,7 +135,8 @@ class ModelSpec:
         family = SUPPORTED_ARCHITECTURES[arch]
         gemma = family in GEMMA
         rope = getattr(config, "rope_parameters", None) or {}
-        for params in (rope.values() if gemma and set(rope) <= set(LAYER_TYPES) and rope else [rope]):
+        rope_per_type = bool(gemma and rope and set(rope) <= set(LAYER_TYPES))
+        for params in (rope.values() if rope_per_type else [rope]):
             rope_type = (params or {}).get("rope_type", "default")
             if rope_type not in SUPPORTED_ROPE_TYPES:
                 raise UnsupportedModelError(
@@ -171,6 +181,7 @@ class ModelSpec:
             sliding_window=int(window) if window else None,
             hf_config=config,
             layer_types=layer_types,
+            rope_per_layer_type=rope_per_type,
             attention_scale=float(config.query_pre_attn_scalar) ** -0.5 if gemma else None,
             embed_scale=float(config.hidden_size) ** 0.5 if gemma else None,
             norm_plus_one=gemma,

@@ -91,6 +91,7 @@ def test_gemma_windows_rope_tables_and_caps_each_matter(family_folders, referenc
         wrong = HybridPrefillExecutor(spec if ignore == "local rope" else dataclasses.replace(spec, **ignore),
                                       weights, torch.float32, CPU, backend)
         if ignore == "local rope":  # every layer on the global table
+            assert spec.rope_tables == 2
             wrong.rotaries["sliding_attention"] = wrong.rotaries["full_attention"]
         assert max_abs(_ours(wrong, ids, 64), want) > 1e-2, (family, ignore)
 

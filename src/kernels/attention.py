@@ -270,22 +270,40 @@ def _suffix_attention_masked(q, k, v, scale):
     return out
 
 
+def _banded_block(hq: int, lq: int, lk: int, window: int) -> tuple[int, int]:
+    """(queries per block, the most keys one block sees) of banded_attention. A block of b queries
+    sees at most b + span - 1 keys: b (b + span) scores per head, all heads within _MASK_ELEMENTS
+    (b <= budget / 2 span keeps b span small, b <= sqrt(budget / 2) b^2); one query always fits."""
+    span = min(lk, window) if window else lk
+    budget = max(2 * span, _MASK_ELEMENTS // hq)
+    if not window:
+        block = max(1, min(lq, budget // lk))
+        return block, lk
+    block = max(1, min(lq, budget // (2 * span), math.isqrt(budget // 2)))
+    return block, min(lk, block + span - 1)
+
+
+def banded_scratch_bytes(hq: int, hkv: int, head_dim: int, lq: int, lk: int, window: int) -> int:
+    """What one banded_attention call allocates besides its output, at its largest block: Q as
+    float32, K and V as float32 and repeated to every query head, the scores and their softmax,
+    the mask, the block's float32 result and its cast."""
+    block, keys = _banded_block(hq, lq, lk, window)
+    return (4 * hq * block * head_dim * 3 + 2 * 4 * (hkv + hq) * keys * head_dim + 2 * 4 * hq * block * keys
+            + block * keys)
+
+
 def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
                      softcap: float = 0.0, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention with a sliding window and/or soft-capped scores where no kernel takes
     them (the explicit path: scores, cap, banded mask, float32 softmax), in query blocks over only
-    the keys each block can see, so its temporaries stay under _MASK_ELEMENTS (all heads) whatever
-    the length (never an S x S matrix; one query always fits). Same contract as cpu_flash_attention; `out` may be q."""
+    the keys each block can see, so its temporaries stay bounded whatever the length (never an
+    S x S matrix; banded_scratch_bytes says how much). Same contract as cpu_flash_attention; `out` may be q."""
     _check_shapes(q, k)
     hq, lq, _ = q.shape
     hkv, lk, _ = k.shape
     offset, g = lk - lq, hq // hkv
     out = torch.empty_like(q) if out is None else out
-    # a block of b queries sees at most b + span - 1 keys: b (b + span) scores per head, all heads
-    # within _MASK_ELEMENTS (b <= budget / 2 span keeps b span small, b <= sqrt(budget / 2) b^2)
-    span = min(lk, window) if window else lk
-    budget = max(2 * span, _MASK_ELEMENTS // hq)
-    block = max(1, min(lq, budget // (2 * span), math.isqrt(budget // 2))) if window else max(1, min(lq, budget // lk))
+    block, _ = _banded_block(hq, lq, lk, window)
     for i0 in range(0, lq, block):
         i1 = min(lq, i0 + block)
         first = max(0, offset + i0 - window + 1) if window else 0
