@@ -7,7 +7,10 @@ Per layer:
      cached prefix K/V first; on the Triton backend one launch for the whole batch, reading
      pool-backed prefixes in place (kernels.gpu_attention);
   C. per token chunk: o_proj + residual add, RMSNorm, fused gate/up matmul, SwiGLU, down_proj
-     + residual add, in place on the residual stream.
+     + residual add, in place on the residual stream. Gemma adds a norm on attention's output and
+     one on the MLP's before each residual add, and gates with tanh-GELU (GeGLU).
+A layer may have a sliding window (Gemma's local layers: the kernels skip the keys outside it)
+and its own RoPE table (Gemma 3: a local and a global base).
 The B sequences of a ForwardBatch are packed row after row: the per-token ops (all the
 matmuls) run over [sum S_i] rows, so every layer's weights are read once per chunk for the
 whole batch instead of once per request; only attention is per sequence. Only the residual
@@ -24,7 +27,7 @@ import torch
 
 from .prefix_io import CaptureSink, KVSink, PrefixKV, PrefixSource, Sinks
 from .kernels.ops import add_rms_norm_, rms_norm_needs_scratch, rope_qkv_into, rope_table_dtype
-from .kernels import add_linear_, causal_attention, causal_attention_inplace, linear_into, rms_norm_into, swiglu_into
+from .kernels import add_linear_, causal_attention, causal_attention_inplace, gated_activation_into, linear_into, rms_norm_into
 from .kernels.attention import cpu_flash_applies, triton_covers
 from .model_spec import ModelSpec
 from .rope import RotaryTable
@@ -109,8 +112,10 @@ class HybridPrefillExecutor:
         self.dtype = dtype
         self.device = device
         self.attention_backend = attention_backend
-        self.rotary = RotaryTable(spec, device)
-        self.scale = spec.head_dim ** -0.5
+        # one RoPE table per layer type where the config has one per type, else one for all
+        self.layer_rope = [spec.rope_table(i) for i in range(spec.num_layers)]
+        self.rotaries = {t: RotaryTable(spec, device, t) for t in set(self.layer_rope)}
+        self.scale = spec.softmax_scale
         self.rope_dtype = rope_table_dtype(device, dtype)
         self.tokens_computed = 0  # prompt tokens run through the layers, all requests (a counter)
 
@@ -141,10 +146,13 @@ class HybridPrefillExecutor:
         ws = allocate(plan, self.device)
         ids = torch.cat([s.token_ids for s in seqs]) if len(seqs) > 1 else seqs[0].token_ids
         torch.index_select(self.weights.embed, 0, ids.to(self.device), out=ws["hidden"])
+        if spec.embed_scale is not None:  # Gemma: the scale rounded to the model dtype, as transformers does
+            ws["hidden"].mul_(torch.tensor(spec.embed_scale, dtype=self.dtype))
         chunks = [(c0, min(plan.new_tokens, c0 + plan.chunk)) for c0 in range(0, plan.new_tokens, plan.chunk)]
-        # each chunk's pieces with their rows' RoPE tables, built once and reused by every layer
-        pieces = [[(i, r0, r1, *self.rotary.cos_sin(seqs[i].prefix_tokens + r0, seqs[i].prefix_tokens + r1, self.rope_dtype))
-                   for i, r0, r1 in batch.pieces(c0, c1)] for c0, c1 in chunks]
+        # each chunk's pieces with their rows' RoPE tables (per table), built once and reused by every layer
+        pieces = {kind: [[(i, r0, r1, *rotary.cos_sin(seqs[i].prefix_tokens + r0, seqs[i].prefix_tokens + r1, self.rope_dtype))
+                          for i, r0, r1 in batch.pieces(c0, c1)] for c0, c1 in chunks]
+                  for kind, rotary in self.rotaries.items()}
         # per sequence: its queries (packed rows) and its K/V segment ([Hkv, P + S, hd])
         qs = [ws["q"][:, r : r + s.new_tokens] for r, s in zip(batch.row_starts, seqs)]
         ks = [ws["k"][:, a : a + s.prefix_tokens + s.new_tokens] for a, s in zip(batch.kv_starts, seqs)]
@@ -155,23 +163,27 @@ class HybridPrefillExecutor:
             fused, paged = self._batch_attention(batch)
         loads = [s.prefix_tokens > 0 and pg is None for s, pg in zip(seqs, paged)]  # the rest are read in place
 
+        softcap = spec.attention_softcap or 0.0
         for li, layer in enumerate(self.weights.layers):
+            layer_pieces, window = pieces[self.layer_rope[li]], spec.layer_window(li)
             for s, k, v, load in zip(seqs, ks, vs, loads):
                 if load:
                     s.prefix.load(li, k[:, : s.prefix_tokens], v[:, : s.prefix_tokens])
-            for (c0, c1), chunk_pieces in zip(chunks, pieces):
+            for (c0, c1), chunk_pieces in zip(chunks, layer_pieces):
                 self._qkv_chunk(layer, ws, c0, c1, chunk_pieces, seqs, ks, vs)
             for sink, k, v in zip(sinks, ks, vs):
                 if sink is not None:
                     sink.store(li, k, v)
             if fused is not None:  # one launch, each output over its own query segment
-                fused.run(li, ws["q"], ws["k"], ws["v"])
+                fused.run(li, ws["q"], ws["k"], ws["v"], window, softcap)
                 attn = qs
             elif inplace_attention:  # each output is its own query segment
-                attn = [causal_attention_inplace(q, k, v, self.scale, backend=self.attention_backend) for q, k, v in zip(qs, ks, vs)]
+                attn = [causal_attention_inplace(q, k, v, self.scale, backend=self.attention_backend, window=window, softcap=softcap)
+                        for q, k, v in zip(qs, ks, vs)]
             else:
-                attn = [causal_attention(q, k, v, self.scale, self.attention_backend) for q, k, v in zip(qs, ks, vs)]
-            for (c0, c1), chunk_pieces in zip(chunks, pieces):
+                attn = [causal_attention(q, k, v, self.scale, self.attention_backend, window=window, softcap=softcap)
+                        for q, k, v in zip(qs, ks, vs)]
+            for (c0, c1), chunk_pieces in zip(chunks, layer_pieces):
                 self._mlp_chunk(layer, ws, attn, c0, c1, chunk_pieces)
             del attn
 
@@ -210,7 +222,10 @@ class HybridPrefillExecutor:
             last = torch.empty_like(picked)
             rms_norm_into(last, picked, self.weights.final_norm, spec.rms_norm_eps, ws["scratch32"][: idx.shape[0], : spec.hidden_size])
             out.append((last @ self.weights.lm_head.t()).float())
-        return out[0] if len(out) == 1 else torch.cat(out)
+        logits = out[0] if len(out) == 1 else torch.cat(out)
+        if spec.final_softcap is not None:  # Gemma 2: before the log-softmax, so it changes the scores
+            logits = torch.tanh(logits.div_(spec.final_softcap)).mul_(spec.final_softcap)
+        return logits
 
     def _qkv_chunk(self, layer, ws, c0, c1, pieces, seqs, ks, vs) -> None:
         """A. packed rows [c0, c1): norm, fused QKV, (q/k norm), RoPE -> each sequence's Q/K/V."""
@@ -227,7 +242,8 @@ class HybridPrefillExecutor:
             row += r1 - r0
 
     def _mlp_chunk(self, layer, ws, attn, c0, c1, pieces) -> None:
-        """C. packed rows [c0, c1): o_proj + residual, norm, SwiGLU MLP + residual."""
+        """C. packed rows [c0, c1): o_proj + residual, norm, gated MLP + residual (Gemma: each
+        branch's output normed before its residual add)."""
         spec, n = self.spec, c1 - c0
         h = ws["hidden"][c0:c1]
         o = ws["o_rows"][:n].view(n, spec.num_heads, spec.head_dim)
@@ -235,7 +251,15 @@ class HybridPrefillExecutor:
         for i, r0, r1, _, _ in pieces:
             o[row : row + (r1 - r0)].copy_(attn[i][:, r0:r1].transpose(0, 1))
             row += r1 - r0
+        scratch = ws["scratch32"][:n, : spec.hidden_size]
         proj = linear_into(ws["proj"][:n], ws["o_rows"][:n], layer.wo, layer.bo)
-        x = add_rms_norm_(h, proj, layer.post_norm, spec.rms_norm_eps, ws["normed"][:n], ws["scratch32"][:n, : spec.hidden_size])
-        act = swiglu_into(ws["act"][:n], linear_into(ws["gate_up"][:n], x, layer.w_gate_up, layer.b_gate_up))
-        add_linear_(h, act, layer.w_down, layer.b_down, ws["proj"][:n])
+        if layer.attn_out_norm is not None:
+            rms_norm_into(proj, proj, layer.attn_out_norm, spec.rms_norm_eps, scratch)
+        x = add_rms_norm_(h, proj, layer.post_norm, spec.rms_norm_eps, ws["normed"][:n], scratch)
+        act = gated_activation_into(ws["act"][:n], linear_into(ws["gate_up"][:n], x, layer.w_gate_up, layer.b_gate_up),
+                                    spec.activation)
+        if layer.mlp_out_norm is None:
+            add_linear_(h, act, layer.w_down, layer.b_down, ws["proj"][:n])
+        else:
+            down = linear_into(ws["proj"][:n], act, layer.w_down, layer.b_down)
+            h.add_(rms_norm_into(down, down, layer.mlp_out_norm, spec.rms_norm_eps, scratch))

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .kernels.attention import INPLACE_QUERY_BLOCK, cpu_flash_covers, cpu_flash_scratch_bytes, triton_covers
+from .kernels.attention import (INPLACE_QUERY_BLOCK, banded_scratch_bytes, cpu_flash_covers, cpu_flash_scratch_bytes,
+                                triton_covers)
 from .model_spec import ModelSpec
 from .kernels.ops import rms_norm_needs_scratch
 from .workspace import plan_workspace
@@ -78,7 +79,9 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
     attention  attention's output and temporaries (for the compiled CPU kernel, which writes over
                Q: its scratch and packed V, as it reports them, one call at a time; for the Triton kernel,
                which writes over Q with no scratch: none; for SDPA the measured estimate above,
-               every sequence's output alive until the MLP half of the layer);
+               every sequence's output alive until the MLP half of the layer; for windowed or
+               soft-capped layers on the torch path the banded path's outputs and its largest
+               block's temporaries; the largest over the model's layer kinds);
     captured   K/V of a captured prefix (multi-item), all layers;  prefix_gather: one layer's
                cached blocks of one sequence gathered from the pool (sequences load in turn;
                none on the Triton backend, which reads the pool's blocks in place);
@@ -101,13 +104,11 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
         longest_keys = max(n + p for n, p in members)  # one call at a time: the longest sequence's
         attention = cpu_flash_scratch_bytes(spec.head_dim, spec.num_heads // spec.num_kv_heads, spec.num_kv_heads,
                                             longest_keys, dtype)
-    elif inplace_attention:  # one query block's flash outputs and float32 merge at a time
-        longest = max(n for n, _ in members)
-        attention = _INPLACE_BYTES_PER_QUERY_ELEMENT * min(longest, INPLACE_QUERY_BLOCK) * spec.q_width + _INPLACE_FIXED_BYTES
-    else:
-        attention = _ATTENTION_BYTES_PER_QUERY_ELEMENT * s * spec.q_width + _ATTENTION_FIXED_BYTES
+    else:  # torch paths: SDPA for plain causal layers, the banded path for windowed or capped ones
+        attention = max(_torch_attention_bytes(spec, members, e, window, inplace_attention)
+                        for window in {spec.layer_window(i) for i in range(spec.num_layers)})
     chunks = -(-s // plan.chunk)
-    pieces = chunks + b - 1  # chunk x sequence intersections, each with its own RoPE tables
+    pieces = (chunks + b - 1) * spec.rope_tables  # chunk x sequence intersections, each with its own RoPE tables
     last_rows = b * (spec.hidden_size * 2 * e + spec.vocab_size * (e + 4)) if b > 1 else spec.vocab_size * (e + 4)
     return dict(
         workspace=plan.nbytes(),
@@ -115,11 +116,23 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
         captured=e * 2 * captured_tokens * spec.kv_width * spec.num_layers,
         prefix_gather=0 if in_place_kernel else e * 2 * max(p for _, p in members) * spec.kv_width,
         ids=s * 8,
-        small=s * spec.head_dim * 4 + plan.chunk * spec.head_dim * 2 + last_rows,
+        small=spec.rope_tables * s * spec.head_dim * 4 + plan.chunk * spec.head_dim * 2 + last_rows,
         pages=_PAGE * (len(plan.shapes) + 2 * pieces + 8 + (2 * b if b > 1 else 0)),  # workspace, RoPE tables, the few others
         unseen=UNSEEN_BYTES,
     )
 
+
+
+def _torch_attention_bytes(spec: ModelSpec, members: list[tuple[int, int]], e: int, window: int, inplace: bool) -> int:
+    """Attention's output and temporaries for layers of one `window` on the torch paths."""
+    if window or spec.attention_softcap:  # banded_attention: sequences in turn, every output alive unless over Q
+        longest = max(members, key=lambda m: m[0] + m[1])
+        scratch = banded_scratch_bytes(spec.num_heads, spec.num_kv_heads, spec.head_dim, longest[0], sum(longest), window)
+        return scratch + (0 if inplace else e * sum(n for n, _ in members) * spec.q_width)
+    if inplace:  # one query block's flash outputs and float32 merge at a time
+        longest = max(n for n, _ in members)
+        return _INPLACE_BYTES_PER_QUERY_ELEMENT * min(longest, INPLACE_QUERY_BLOCK) * spec.q_width + _INPLACE_FIXED_BYTES
+    return _ATTENTION_BYTES_PER_QUERY_ELEMENT * sum(n for n, _ in members) * spec.q_width + _ATTENTION_FIXED_BYTES
 
 class PeakMemoryMeter:
     """Measures one request's peak memory growth on its device.

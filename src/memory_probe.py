@@ -32,8 +32,9 @@ def _spec(args) -> ModelSpec:
 
         raw = json.loads(args.random_config)
         cfg_cls = getattr(transformers, raw.pop("config_class", "LlamaConfig"))
+        architecture = raw.pop("architecture", None) or cfg_cls.__name__.replace("Config", "ForCausalLM")
         cfg = cfg_cls(**raw)
-        cfg.architectures = [cfg_cls.__name__.replace("Config", "ForCausalLM")]
+        cfg.architectures = [architecture]
         return ModelSpec.from_hf_config(cfg)
     return ModelSpec.from_folder(args.model)
 
@@ -159,7 +160,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, required=True)
     p.add_argument("--chunk-size", type=int, default=2048, help="0 = no chunking")
     p.add_argument("--model", help="checkpoint folder")
-    p.add_argument("--random-config", help="JSON of a transformers config (random weights); key config_class picks the class")
+    p.add_argument("--random-config", help="JSON of a transformers config (random weights); key config_class picks the "
+                   "class, key architecture the model class where it is not the config's name with ForCausalLM")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--system", default="prefillonly", choices=["prefillonly", "transformers"])
     p.add_argument("--threads", type=int, default=2)

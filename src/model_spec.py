@@ -13,14 +13,20 @@ from dataclasses import dataclass
 
 from .errors import ConfigError, UnsupportedModelError
 
-# architecture name -> family. All four share the Llama weight layout; the flags below
-# (biases, q/k norm) are what differs.
+# architecture name -> family. All share the Llama weight layout; the flags below (biases, q/k
+# norm, Gemma's norms, scales, activation, windows and soft-capping) are what differs.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
+GEMMA = ("gemma2", "gemma3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# MLP activations by config name -> ours: SwiGLU's silu, Gemma's tanh-approximated GELU
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # rope types whose frequencies do not depend on the sequence length
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -45,6 +51,34 @@ class ModelSpec:
     qk_norm: bool
     sliding_window: int | None  # None = full attention at every length
     hf_config: object  # the transformers config, kept for rope init and the reference model
+    # Gemma 2/3 (defaults: the Llama-like families)
+    layer_types: tuple[str, ...] = ()  # per layer, one of LAYER_TYPES; () = every layer full attention
+    rope_per_layer_type: bool = False  # RoPE parameters per layer type (Gemma 3), else one set for all
+    attention_scale: float | None = None  # softmax scale; None = head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    embed_scale: float | None = None  # embeddings are multiplied by it (Gemma: sqrt(hidden_size), in the model dtype)
+    norm_plus_one: bool = False  # RMSNorm weights are stored as w and used as (1 + w) (Gemma)
+    sandwich_norms: bool = False  # norms after attention and around the MLP (Gemma): see the executor
+    activation: str = "silu"  # gated MLP activation: silu (SwiGLU) or gelu_tanh (GeGLU, Gemma)
+    attention_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) before the log-softmax (Gemma 2)
+
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of `layer`'s attention, 0 for full attention."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return int(self.sliding_window)
+        return 0
+
+    def rope_table(self, layer: int) -> str | None:
+        """Which RoPE table `layer` uses: its layer type where the parameters differ by type, else None."""
+        return self.layer_types[layer] if self.rope_per_layer_type else None
+
+    @property
+    def rope_tables(self) -> int:
+        return len({self.rope_table(i) for i in range(self.num_layers)})
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.attention_scale if self.attention_scale is not None else self.head_dim ** -0.5
 
     @property
     def q_width(self) -> int:
@@ -60,8 +94,9 @@ class ModelSpec:
 
     @property
     def context_length(self) -> int:
-        """Longest prompt the model computes exactly (full attention, trained positions)."""
-        if self.sliding_window is not None:
+        """Longest prompt the model computes exactly (full attention, trained positions): a
+        window of every layer (Mistral, Qwen2's) bounds it; per-layer windows (Gemma) do not."""
+        if self.sliding_window is not None and not self.layer_types:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 
@@ -77,10 +112,14 @@ class ModelSpec:
         2·N·S for the linear layers (N = non_embedding_params()), 2·L·d·S·(2P + S) for causal
         attention (d = heads x head_dim: QK^T and PV over the P cached keys and the causal half
         of the S new ones, 4·d·S·P + 2·d·S² per layer), and 2·hidden·vocab for the lm_head on the
-        last position only (a prefill-only request scores one next token)."""
+        last position only (a prefill-only request scores one next token). Written per query at
+        position t, a layer's attention is 2·d·(2t + 1): a sliding-window layer counts
+        2·d·min(2t + 1, 2W) (its queries see at most W keys)."""
         s, p = new_tokens, prefix_tokens
         linear = 2 * self.non_embedding_params() * s
-        attention = 2 * self.num_layers * self.q_width * s * (2 * p + s)
+        full = s * (2 * p + s)  # sum of 2t + 1 over t in [P, P + S)
+        attention = 2 * self.q_width * sum(_windowed_pairs(p, s, self.layer_window(i)) if self.layer_window(i) else full
+                                           for i in range(self.num_layers))
         lm_head = 2 * self.hidden_size * self.vocab_size
         return linear + attention + lm_head
 
@@ -94,17 +133,31 @@ class ModelSpec:
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
+        gemma = family in GEMMA
         rope = getattr(config, "rope_parameters", None) or {}
-        rope_type = rope.get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise UnsupportedModelError(
-                f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-            )
-        if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
-            raise UnsupportedModelError(f"unsupported MLP activation {config.hidden_act!r}; only SwiGLU (silu)")
+        rope_per_type = bool(gemma and rope and set(rope) <= set(LAYER_TYPES))
+        for params in (rope.values() if rope_per_type else [rope]):
+            rope_type = (params or {}).get("rope_type", "default")
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise UnsupportedModelError(
+                    f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+                )
+        act_name = getattr(config, "hidden_activation", None) if gemma else getattr(config, "hidden_act", "silu")
+        activation = ACTIVATIONS.get(act_name)
+        if activation is None or (gemma != (activation == "gelu_tanh")):
+            raise UnsupportedModelError(f"unsupported MLP activation {act_name!r} for {arch}; "
+                                        f"supported: silu (Llama, Mistral, Qwen), gelu_pytorch_tanh (Gemma)")
         window = getattr(config, "sliding_window", None)
         if family in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
             window = None
+        layer_types = tuple(getattr(config, "layer_types", None) or ()) if gemma else ()
+        if gemma:
+            if len(layer_types) != config.num_hidden_layers or not set(layer_types) <= set(LAYER_TYPES):
+                raise UnsupportedModelError(f"unsupported layer_types {list(layer_types)!r}; each layer one of {', '.join(LAYER_TYPES)}")
+            if getattr(config, "use_bidirectional_attention", False):
+                raise UnsupportedModelError("use_bidirectional_attention is not supported (prefill-only scoring is causal)")
+            if "sliding_attention" in layer_types and not window:
+                raise UnsupportedModelError("sliding_attention layers without a sliding_window")
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         attention_bias = bool(getattr(config, "attention_bias", False))
@@ -124,9 +177,18 @@ class ModelSpec:
             qkv_bias=family == "qwen2" or attention_bias,
             o_bias=attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "gemma3"),
             sliding_window=int(window) if window else None,
             hf_config=config,
+            layer_types=layer_types,
+            rope_per_layer_type=rope_per_type,
+            attention_scale=float(config.query_pre_attn_scalar) ** -0.5 if gemma else None,
+            embed_scale=float(config.hidden_size) ** 0.5 if gemma else None,
+            norm_plus_one=gemma,
+            sandwich_norms=gemma,
+            activation=activation,
+            attention_softcap=_cap(getattr(config, "attn_logit_softcapping", None)) if gemma else None,
+            final_softcap=_cap(getattr(config, "final_logit_softcapping", None)) if gemma else None,
         )
 
     @classmethod
@@ -144,3 +206,13 @@ class ModelSpec:
         from transformers import AutoConfig
 
         return cls.from_hf_config(AutoConfig.from_pretrained(folder))
+
+
+def _cap(value) -> float | None:
+    return float(value) if value else None
+
+
+def _windowed_pairs(p: int, s: int, window: int) -> int:
+    """sum of min(2t + 1, 2·window) over t in [p, p + s): 2t + 1 while t < window, then 2·window."""
+    m = min(max(window, p), p + s)
+    return (m * m - p * p) + 2 * window * (p + s - m)

@@ -12,9 +12,16 @@ from .model_spec import ModelSpec
 
 
 class RotaryTable:
-    def __init__(self, spec: ModelSpec, device: torch.device):
+    """The table of one layer type: `layer_type` picks its parameters where a config has one set per
+    type (Gemma 3: a local base for sliding layers, a global one for full layers)."""
+
+    def __init__(self, spec: ModelSpec, device: torch.device, layer_type: str | None = None):
         cfg = spec.hf_config
         rope = getattr(cfg, "rope_parameters", None) or {}
+        if layer_type is not None and isinstance(rope.get(layer_type), dict):
+            rope = rope[layer_type]
+        else:
+            layer_type = None  # one set for every layer
         rope_type = rope.get("rope_type", "default")
         if rope_type == "default":
             base = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
@@ -25,7 +32,7 @@ class RotaryTable:
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"), layer_type=layer_type)
         self.inv_freq = inv_freq.float().to(device)  # [head_dim / 2]
         self.scaling = float(scaling)
 

@@ -31,11 +31,13 @@ class LayerWeights:
     k_norm: torch.Tensor | None  # [head_dim] (Qwen3)
     wo: torch.Tensor  # [d, q_width]
     bo: torch.Tensor | None
-    post_norm: torch.Tensor  # [d]
+    post_norm: torch.Tensor  # [d] the norm before the MLP (Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm)
     w_gate_up: torch.Tensor  # [2F, d]: rows [0, F) gate, [F, 2F) up
     b_gate_up: torch.Tensor | None
     w_down: torch.Tensor  # [d, F]
     b_down: torch.Tensor | None
+    attn_out_norm: torch.Tensor | None = None  # [d] Gemma: on attention's output, before the residual add
+    mlp_out_norm: torch.Tensor | None = None  # [d] Gemma: on the MLP's output, before the residual add
 
 
 @dataclass
@@ -60,7 +62,8 @@ class ModelWeights:
             return None if t is None else t.to(device=device, dtype=as_dtype)
 
         def norm(name: str):
-            return get(name, as_dtype=NORM_DTYPE)
+            w = get(name, as_dtype=NORM_DTYPE)
+            return w + 1.0 if spec.norm_plus_one else w  # Gemma's RMSNorm multiplies by (1 + w), in float32
 
         def cat(names: list[str], required: bool = True):
             parts = [reader.get(n, required) for n in names]
@@ -82,11 +85,13 @@ class ModelWeights:
                     k_norm=norm(p + "self_attn.k_norm.weight") if spec.qk_norm else None,
                     wo=get(p + "self_attn.o_proj.weight"),
                     bo=get(p + "self_attn.o_proj.bias") if spec.o_bias else None,
-                    post_norm=norm(p + "post_attention_layernorm.weight"),
+                    post_norm=norm(p + ("pre_feedforward_layernorm" if spec.sandwich_norms else "post_attention_layernorm") + ".weight"),
                     w_gate_up=cat([n + ".weight" for n in mlp]),
                     b_gate_up=cat([n + ".bias" for n in mlp]) if spec.mlp_bias else None,
                     w_down=get(p + "mlp.down_proj.weight"),
                     b_down=get(p + "mlp.down_proj.bias") if spec.mlp_bias else None,
+                    attn_out_norm=norm(p + "post_attention_layernorm.weight") if spec.sandwich_norms else None,
+                    mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if spec.sandwich_norms else None,
                 )
             )
         embed = get("model.embed_tokens.weight")
@@ -123,6 +128,8 @@ class ModelWeights:
                 b_gate_up=rnd(2 * f) if spec.mlp_bias else None,
                 w_down=rnd(d, f),
                 b_down=rnd(d) if spec.mlp_bias else None,
+                attn_out_norm=ones(d) if spec.sandwich_norms else None,
+                mlp_out_norm=ones(d) if spec.sandwich_norms else None,
             )
             for _ in range(spec.num_layers)
         ]

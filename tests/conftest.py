@@ -22,6 +22,16 @@ FAMILY_CONFIGS = {
         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
     "qwen2_bias_tied": ("Qwen2Config", dict(_SMALL, num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen3_qknorm_untied": ("Qwen3Config", dict(_SMALL, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False)),
+    # Gemma 3: local (8-key window, base 1e4) and global (linear-scaled base 1e6) layers, q/k norm,
+    # (1 + w) norms, the four norms a layer, scaled embeddings, query_pre_attn_scalar, GeGLU, tied
+    "gemma3_window_two_ropes": ("Gemma3TextConfig", dict(_SMALL, num_hidden_layers=3, num_key_value_heads=2, head_dim=32,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=8, query_pre_attn_scalar=20,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0}})),
+    # Gemma 2: alternating windowed / full layers, attention and final soft-capping (caps small
+    # enough that these weights' scores and logits reach them)
+    "gemma2_softcap_window": ("Gemma2Config", dict(_SMALL, num_key_value_heads=1, head_dim=32, sliding_window=8,
+        query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
 }
 
 
@@ -35,9 +45,9 @@ def make_random_model(cls_name: str, kwargs: dict, seed: int = 0):
     import transformers
 
     config = getattr(transformers, cls_name)(**kwargs)
-    config.architectures = [cls_name.replace("Config", "ForCausalLM")]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.config.architectures = [type(model).__name__]  # e.g. Gemma3TextConfig -> Gemma3ForCausalLM
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if "norm" in pname:

@@ -17,7 +17,7 @@ import torch
 from prefillonly.cache.prefix_cache import PrefixCache
 from prefillonly.executor import ForwardBatch, HybridPrefillExecutor, Sequence
 from prefillonly.kernels import gpu_support
-from prefillonly.kernels.attention import causal_attention, resolve_backend, triton_covers
+from prefillonly.kernels.attention import banded_attention, causal_attention, resolve_backend, triton_covers
 from prefillonly.kernels.gpu_attention import BatchLayout, prefill_attention
 from prefillonly.kernels import gpu_ops
 from prefillonly.model_spec import ModelSpec
@@ -77,17 +77,20 @@ def _batch(gen, members, hq, hkv, d, page, dtype, slots=64):
     return q, k, v, (kp, vp, table), layout, fulls
 
 
-def _check_batch(members, hq, hkv, d, page, dtype, tiles=None, seed=0):
+def _check_batch(members, hq, hkv, d, page, dtype, tiles=None, seed=0, window=0, softcap=0.0):
     gen = _gen(seed)
     q, k, v, pages, layout, fulls = _batch(gen, members, hq, hkv, d, page, dtype)
     scale = d ** -0.5
-    out = prefill_attention(q, k, v, torch.empty_like(q), layout, scale, pages, tiles=tiles)
+    out = prefill_attention(q, k, v, torch.empty_like(q), layout, scale, pages, tiles=tiles, window=window, softcap=softcap)
     for (n, _, _), start, (kk, vv) in zip(members, layout.q_start.tolist(), fulls):
-        want = attention_float64(q[:, start : start + n].cpu(), kk.cpu(), vv.cpu(), scale)
+        want = attention_float64(q[:, start : start + n].cpu(), kk.cpu(), vv.cpu(), scale, window=window, softcap=softcap)
         got = out[:, start : start + n].cpu()
-        assert max_abs(got, want) <= ATTN_TOL[dtype], (members, hq, hkv, d, page, tiles)
-        # and the torch path on the same inputs (SDPA, the fallback the engine would use)
-        torch_path = causal_attention(q[:, start : start + n], kk, vv, scale, "sdpa").cpu()
+        assert max_abs(got, want) <= ATTN_TOL[dtype], (members, hq, hkv, d, page, tiles, window, softcap)
+        # and the torch path on the same inputs (SDPA, or the explicit banded path: the fallbacks the engine would use)
+        if window or softcap:
+            torch_path = banded_attention(q[:, start : start + n], kk, vv, scale, window=window, softcap=softcap).cpu()
+        else:
+            torch_path = causal_attention(q[:, start : start + n], kk, vv, scale, "sdpa").cpu()
         assert max_abs(got, torch_path) <= 2 * ATTN_TOL[dtype]
     return q, k, v, pages, layout, out
 
@@ -132,6 +135,35 @@ def test_attention_in_place_over_q_equals_out_of_place():
     q, k, v, pages, layout, out = _check_batch(members, hq=8, hkv=2, d=64, page=16, dtype=torch.float16, seed=5)
     prefill_attention(q, k, v, q, layout, 64 ** -0.5, pages)
     assert torch.equal(q, out)
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 40, 1000])  # 1000: longer than any sequence here
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+def test_attention_sliding_window_and_softcap(window, softcap):
+    """Windows against the 16-key tile grid and the 16-token pages: prefixes crossing the window's
+    edge (paged and loaded), far past it (whole key tiles skipped), a packed mixed batch, GQA."""
+    members = [(7, 0, False), (40, 33, True), (1, 47, True), (20, 16, False), (65, 64, True), (30, 50, False)]
+    _check_batch(members, hq=4, hkv=2, d=32, page=16, dtype=torch.float16, tiles=(16, 16, 1, 1), seed=window,
+                 window=window, softcap=softcap)
+
+
+def test_attention_window_never_reads_keys_before_it():
+    """K/V of positions no query's window reaches (workspace and paged) are never loaded: NaNs
+    there leave every output finite and equal."""
+    members = [(20, 60, True), (25, 70, False)]
+    q, k, v, pages, layout, out = _check_batch(members, hq=2, hkv=1, d=16, page=16, dtype=torch.float16,
+                                               tiles=(16, 16, 1, 1), seed=3, window=8)
+    kp, vp, table = pages
+    for i, (n, p, paged) in enumerate(members):
+        first = p - 8 + 1  # the first key the first query sees
+        if paged:
+            kp[table[i, : first // 16].long()] = float("nan")  # whole pages before the window
+            vp[table[i, : first // 16].long()] = float("nan")
+        else:
+            a = layout.kv_start[i].item()
+            k[:, a : a + first], v[:, a : a + first] = float("nan"), float("nan")
+    again = prefill_attention(q, k, v, torch.empty_like(q), layout, 16 ** -0.5, (kp, vp, table), tiles=(16, 16, 1, 1), window=8)
+    assert torch.equal(again, out)
 
 
 def test_attention_rejects_bad_layouts():

@@ -13,24 +13,33 @@ def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
 
 
 def load_hf(folder: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
+    """transformers' model of `folder` in `dtype`: its default attention, eager for Gemma (whose
+    soft-capping and windows transformers computes exactly only there)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    gemma = AutoConfig.from_pretrained(folder).model_type.startswith("gemma")
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **({"attn_implementation": "eager"} if gemma else {})).eval()
 
 
 def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max())
 
 
-def attention_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def attention_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
+                      softcap: float = 0.0) -> torch.Tensor:
     """softmax(QK^T * scale)V in float64 with a bottom-right causal mask: q [Hq, Lq, D], k/v
-    [Hkv, Lk, D]; query i sits at key position Lk - Lq + i; query heads share KV heads in groups."""
+    [Hkv, Lk, D]; query i sits at key position Lk - Lq + i; query heads share KV heads in groups.
+    window > 0: a query at t sees keys (t - window, t] only; softcap > 0: scores s (scaled) become
+    softcap * tanh(s / softcap) before the mask (Gemma 2's attention soft-capping)."""
     hq, lq, _ = q.shape
     hkv, lk, _ = k.shape
     g = hq // hkv
     k = k.double().repeat_interleave(g, 0)
     v = v.double().repeat_interleave(g, 0)
     scores = q.double() @ k.transpose(1, 2) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     qpos = torch.arange(lq)[:, None] + (lk - lq)
-    scores = scores.masked_fill(torch.arange(lk)[None, :] > qpos, float("-inf"))
-    return scores.softmax(-1) @ v
+    kpos = torch.arange(lk)[None, :]
+    hidden = (kpos > qpos) | ((qpos - kpos >= window) if window else False)
+    return scores.masked_fill(hidden, float("-inf")).softmax(-1) @ v

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from prefillonly.kernels import cpu_ext
-from prefillonly.kernels.attention import causal_attention, causal_attention_inplace, cpu_flash_attention, resolve_backend
+from prefillonly.kernels.attention import (banded_attention, causal_attention, causal_attention_inplace, cpu_flash_attention,
+                                           resolve_backend)
 
 from .reference import attention_float64 as reference
 
@@ -38,6 +39,12 @@ def _variant(request, kernel):
 @pytest.fixture(params=["avx2", "avx512"])
 def isa(request, kernel):
     """The float32-FMA paths (float32 and bfloat16 inputs)."""
+    return _variant(request, kernel)
+
+
+@pytest.fixture(params=list(VARIANT_FLAGS))
+def any_isa(request, kernel):
+    """Every variant, float32-FMA and pair paths."""
     return _variant(request, kernel)
 
 
@@ -113,6 +120,80 @@ def test_emulated_pair_paths_agree_across_isas(kernel):
         pytest.skip("this CPU lacks avx512f/bw/dq/vl: only one emulated pair path runs here")
     q, k, v = inputs(3, 3, 45, 70, 64, torch.bfloat16, seed=21)
     assert torch.equal(cpu_flash_attention(q, k, v, 0.125, isa="avx2_pairs"), cpu_flash_attention(q, k, v, 0.125, isa="avx512_pairs"))
+
+
+# Sliding windows (a query at t sees keys (t - window, t]): windows 1, 7, 64 and longer than the
+# keys; prompts longer than the window with and without a cached prefix, prefixes crossing the
+# window's edge and far longer than it (whole key blocks skipped), odd counts, GQA 1/3/8.
+# (group, head_dim, queries, cached prefix, window)
+WINDOW_CASES = [(1, 64, 37, 0, 1), (3, 64, 130, 0, 7), (8, 128, 65, 63, 64), (3, 64, 200, 100, 64), (1, 64, 7, 2048, 64),
+                (3, 128, 513, 0, 1000), (8, 64, 1, 300, 7), (3, 64, 64, 61, 7), (1, 128, 129, 1, 64)]
+SOFTCAPS = [0.0, 2.0, 50.0]  # 2.0 caps most scores of these inputs hard; 50 (Gemma 2's) barely
+
+
+@pytest.mark.parametrize("group,d,lq,prefix,window", WINDOW_CASES)
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+def test_window_and_softcap_float32_within_1e5_of_float64(isa, group, d, lq, prefix, window, softcap):
+    q, k, v = inputs(2, group, lq, prefix, d, torch.float32, seed=lq + prefix * 5 + window)
+    want = reference(q, k, v, d ** -0.5, window=window, softcap=softcap)
+    got = cpu_flash_attention(q, k, v, d ** -0.5, isa=isa, window=window, softcap=softcap)
+    assert (got.double() - want).abs().max().item() < 1e-5
+    fallback = banded_attention(q, k, v, d ** -0.5, window=window, softcap=softcap)
+    assert (fallback.double() - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("group,d,lq,prefix,window", WINDOW_CASES[::2])
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+def test_window_and_softcap_bfloat16_on_every_path(any_isa, group, d, lq, prefix, window, softcap):
+    """bf16 on the float32-FMA and the pair paths: error within 1.5x the explicit path's own
+    (bf16 inputs, float32 math, bf16 output) or half a bf16 ulp of the output."""
+    q, k, v = inputs(2, group, lq, prefix, d, torch.bfloat16, seed=lq * 3 + prefix + window)
+    want = reference(q, k, v, d ** -0.5, window=window, softcap=softcap)
+    ours = (cpu_flash_attention(q, k, v, d ** -0.5, isa=any_isa, window=window, softcap=softcap).double() - want).abs().max().item()
+    explicit = (banded_attention(q, k, v, d ** -0.5, window=window, softcap=softcap).double() - want).abs().max().item()
+    half_ulp = 2.0 ** -9 * want.abs().max().item()
+    assert ours <= max(1.5 * explicit, half_ulp), f"ours {ours:.2e} vs explicit {explicit:.2e}"
+
+
+def keys_before_every_window_are_never_read(isa: str, dtype: torch.dtype) -> None:
+    """Keys no query's window reaches are not loaded at all: NaNs there change nothing."""
+    window, prefix, lq = 64, 1000, 50
+    q, k, v = inputs(2, 3, lq, prefix, 64, dtype, seed=4)
+    want = cpu_flash_attention(q, k, v, 0.125, isa=isa, window=window)
+    unread = (prefix - window + 1) // 2 * 2  # the first key a query sees, rounded down to a key pair
+    k[:, :unread], v[:, :unread] = float("nan"), float("nan")
+    got = cpu_flash_attention(q, k, v, 0.125, isa=isa, window=window)
+    assert torch.equal(got, want)
+
+
+def test_keys_before_every_window_are_never_read(any_isa):
+    keys_before_every_window_are_never_read(any_isa, torch.bfloat16)
+
+
+def test_keys_before_every_window_are_never_read_float32(isa):
+    keys_before_every_window_are_never_read(isa, torch.float32)
+
+
+def test_window_as_long_as_the_keys_is_plain_causal(isa):
+    q, k, v = inputs(2, 3, 40, 30, 64, torch.float32, seed=8)
+    plain = cpu_flash_attention(q, k, v, 0.125, isa=isa)
+    assert torch.equal(cpu_flash_attention(q, k, v, 0.125, isa=isa, window=70), plain)
+    assert torch.equal(cpu_flash_attention(q, k, v, 0.125, isa=isa, window=10_000), plain)
+
+
+def test_the_kernel_refuses_a_negative_window(kernel):
+    q, k, v = inputs(1, 1, 4, 0, 64, torch.float32, seed=2)
+    with pytest.raises(RuntimeError, match="window and softcap"):
+        kernel.flash_attention(q, k, v, torch.empty_like(q), 0.1, "auto", 0, 0, -1, 0.0)
+
+
+def test_banded_fallback_bounds_its_blocks_and_writes_over_q():
+    """One query block of the fallback never holds an S x S score matrix; over q it equals the
+    out-of-place result."""
+    q, k, v = inputs(2, 3, 600, 0, 64, torch.float32, seed=3)
+    want = banded_attention(q, k, v, 0.125, window=16)
+    buf = q.clone()
+    assert torch.equal(banded_attention(buf, k, v, 0.125, window=16, out=buf), want)
 
 
 def test_pair_path_refuses_float32(kernel):

@@ -138,3 +138,23 @@ def test_attention_over_q_lowers_the_peak_and_is_predicted():
         assert r["predicted_bytes"] >= r["measured_bytes"]
     parts = kernel["predicted_parts"]
     assert kernel["predicted_bytes"] - kernel["measured_bytes"] <= parts["pages"] + parts["attention"] + parts["unseen"] + parts["ids"]
+
+
+# Gemma 3's mixed layers: a 512-key window on one layer, full attention on the other, two RoPE tables
+GEMMA3 = dict(CONFIG, config_class="Gemma3TextConfig", architecture="Gemma3ForCausalLM", head_dim=64, query_pre_attn_scalar=64,
+              layer_types=["sliding_attention", "full_attention"], sliding_window=512,
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
+
+
+def test_mixed_layer_prediction_holds_on_the_kernel_and_the_banded_path():
+    """Gemma 3 (windowed + full layers): with the compiled kernel the chunked prediction is never
+    below the measured peak and over by at most its allowances, as for one layer kind; on the torch
+    path (the banded fallback for the windowed layer, SDPA for the full one) never below."""
+    kernel = probe(8192, 512, "float32", "cpu_flash", GEMMA3)
+    parts = kernel["predicted_parts"]
+    detail = f"gemma3 cpu_flash: predicted {mib(kernel['predicted_bytes'])}, measured {mib(kernel['measured_bytes'])}"
+    assert 0 <= kernel["predicted_bytes"] - kernel["measured_bytes"] <= parts["pages"] + parts["attention"] + parts["unseen"] + parts["ids"], detail
+    torch_path = probe(8192, 512, "float32", "sdpa", GEMMA3)
+    assert torch_path["predicted_bytes"] >= torch_path["measured_bytes"], (
+        f"gemma3 sdpa: predicted {mib(torch_path['predicted_bytes'])}, measured {mib(torch_path['measured_bytes'])}")

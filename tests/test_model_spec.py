@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from transformers import LlamaConfig, Qwen3Config
+from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, Qwen3Config
 
 from prefillonly.model_spec import ModelSpec
 
@@ -49,3 +49,49 @@ def test_flops_with_prefix_equals_gpu_checks_former_formula(shape, s, p):
     assert float(spec.flops(s, p)) == gpu_check_formula(spec, s, p)
     # each cached token costs the S new queries their QK^T and PV products: 4·L·d·S per cached token
     assert spec.flops(s, p) - spec.flops(s) == 4 * spec.num_layers * spec.q_width * s * p
+
+
+def gemma3(window: int) -> ModelSpec:
+    config = Gemma3TextConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=64, vocab_size=1000, sliding_window=window,
+                              architectures=["Gemma3ForCausalLM"])
+    return ModelSpec.from_hf_config(config)
+
+
+@pytest.mark.parametrize("s, p", [(1, 0), (150, 0), (150, 14_000), (2048, 16_384), (7, 3), (1000, 100)])
+@pytest.mark.parametrize("window", [1, 7, 512])
+def test_flops_of_windowed_layers_count_only_the_keys_in_the_window(s, p, window):
+    spec = gemma3(window)
+    assert spec.layer_types.count("sliding_attention") == 5 and spec.layer_types[5] == "full_attention"
+    full_layer = s * (2 * p + s)
+    windowed_layer = sum(min(2 * t + 1, 2 * window) for t in range(p, p + s))  # written out
+    want_attention = 2 * spec.q_width * (full_layer + 5 * windowed_layer)
+    assert spec.flops(s, p) == 2 * spec.non_embedding_params() * s + want_attention + 2 * spec.hidden_size * spec.vocab_size
+    # a window longer than every position is full attention
+    assert gemma3(p + s + 1).flops(s, p) == float(gpu_check_formula(gemma3(p + s + 1), s, p))
+
+
+# What the loader refuses, each with a message naming it and what is supported.
+REFUSED = [
+    (Gemma3TextConfig(num_hidden_layers=2, architectures=["Gemma3ForConditionalGeneration"]), "unsupported model architecture"),
+    (Gemma2Config(num_hidden_layers=2, hidden_activation="relu", architectures=["Gemma2ForCausalLM"]), "unsupported MLP activation 'relu'"),
+    (LlamaConfig(hidden_act="gelu", architectures=["LlamaForCausalLM"]), "unsupported MLP activation 'gelu'"),
+    (LlamaConfig(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}, architectures=["LlamaForCausalLM"]),
+     "unsupported rope_type 'dynamic'"),
+    (Gemma3TextConfig(num_hidden_layers=2, use_bidirectional_attention=True, architectures=["Gemma3ForCausalLM"]),
+     "use_bidirectional_attention"),
+    (Gemma3TextConfig(num_hidden_layers=2, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "full_attention": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 2.0}},
+        architectures=["Gemma3ForCausalLM"]), "unsupported rope_type 'dynamic'"),
+]
+
+
+@pytest.mark.parametrize("config, message", REFUSED, ids=["multimodal_gemma3", "gemma2_relu", "llama_gelu", "llama_dynamic_rope",
+                                                           "gemma3_bidirectional", "gemma3_global_dynamic_rope"])
+def test_unsupported_configs_are_refused_by_name(config, message):
+    from prefillonly.errors import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match=message) as refused:
+        ModelSpec.from_hf_config(config)
+    assert "supported" in str(refused.value)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -138,17 +139,19 @@ def cpu_flash_applies(backend: str, q: torch.Tensor) -> bool:
 
 
 def cpu_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                        isa: str | None = None) -> torch.Tensor:
+                        isa: str | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """The compiled kernel: q [Hq, Lq, D], k/v [Hkv, Lk, D] -> out [Hq, Lq, D] (new, or the
     given `out`, which may be q itself). `isa` forces a kernel variant (cpu_ext.attention_isa:
-    the CPU's best for q's dtype, or PREFILLONLY_CPU_ATTENTION_ISA)."""
+    the CPU's best for q's dtype, or PREFILLONLY_CPU_ATTENTION_ISA). window > 0: a query at t sees
+    keys (t - window, t] only (the keys before are never loaded); softcap > 0: scaled scores s
+    become softcap * tanh(s / softcap)."""
     kernel = cpu_ext.load_attention()
     if kernel is None:
         raise RuntimeError(f"CPU flash attention unavailable: {cpu_ext.why_attention_unavailable()}")
     if out is None:
         out = torch.empty_like(q)
     with torch.profiler.record_function("prefillonly::cpu_flash_attention"):  # else profiles miss it (not an aten op)
-        kernel.flash_attention(q, k, v, out, float(scale), isa or cpu_ext.attention_isa(q.dtype), 0, 0)
+        kernel.flash_attention(q, k, v, out, float(scale), isa or cpu_ext.attention_isa(q.dtype), 0, 0, int(window), float(softcap))
     return out
 
 
@@ -166,15 +169,20 @@ def _check_shapes(q, k) -> None:
         raise ValueError(f"bad attention shapes q={tuple(q.shape)} k={tuple(k.shape)}")
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: str = "sdpa") -> torch.Tensor:
-    """q: [Hq, Lq, D]; k, v: [Hkv, Lk, D] with Lk >= Lq and Hq % Hkv == 0. Returns [Hq, Lq, D]."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: str = "sdpa",
+                     window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """q: [Hq, Lq, D]; k, v: [Hkv, Lk, D] with Lk >= Lq and Hq % Hkv == 0. Returns [Hq, Lq, D].
+    window > 0: a query at t sees keys (t - window, t] only; softcap > 0: soft-capped scores
+    (the compiled kernel where it applies, else the explicit banded path)."""
     _check_shapes(q, k)
     hq, lq, _ = q.shape
     hkv, lk, _ = k.shape
+    if cpu_flash_applies(backend, q):
+        return cpu_flash_attention(q, k, v, scale, window=window, softcap=softcap)
+    if (window and window < lk) or softcap:
+        return banded_attention(q, k, v, scale, window=window, softcap=softcap)
     if backend == "flash_attn":
         return _flash_attn(q, k, v, scale)
-    if cpu_flash_applies(backend, q):
-        return cpu_flash_attention(q, k, v, scale)
     gqa = hq != hkv
     if lq == lk:
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=gqa)
@@ -195,7 +203,8 @@ def inplace_attention_supported(device: torch.device) -> bool:
 
 
 def causal_attention_inplace(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                             block: int = INPLACE_QUERY_BLOCK, backend: str = "sdpa") -> torch.Tensor:
+                             block: int = INPLACE_QUERY_BLOCK, backend: str = "sdpa", window: int = 0,
+                             softcap: float = 0.0) -> torch.Tensor:
     """causal_attention, written over q (CPU).
 
     A query block's output depends only on its own queries, so it can replace them: the
@@ -206,7 +215,9 @@ def causal_attention_inplace(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """
     _check_shapes(q, k)
     if cpu_flash_applies(backend, q):
-        return cpu_flash_attention(q, k, v, scale, out=q)
+        return cpu_flash_attention(q, k, v, scale, out=q, window=window, softcap=softcap)
+    if (window and window < k.shape[1]) or softcap:
+        return banded_attention(q, k, v, scale, window=window, softcap=softcap, out=q)
     lq = q.shape[1]
     p = k.shape[1] - lq
     for i0 in range(0, lq, block):
@@ -256,6 +267,58 @@ def _suffix_attention_masked(q, k, v, scale):
         out[:, i0:i1] = F.scaled_dot_product_attention(
             q[None, :, i0:i1], k[None, :, :visible], v[None, :, :visible], attn_mask=mask, scale=scale, enable_gqa=gqa
         )[0]
+    return out
+
+
+def _banded_block(hq: int, lq: int, lk: int, window: int) -> tuple[int, int]:
+    """(queries per block, the most keys one block sees) of banded_attention. A block of b queries
+    sees at most b + span - 1 keys: b (b + span) scores per head, all heads within _MASK_ELEMENTS
+    (b <= budget / 2 span keeps b span small, b <= sqrt(budget / 2) b^2); one query always fits."""
+    span = min(lk, window) if window else lk
+    budget = max(2 * span, _MASK_ELEMENTS // hq)
+    if not window:
+        block = max(1, min(lq, budget // lk))
+        return block, lk
+    block = max(1, min(lq, budget // (2 * span), math.isqrt(budget // 2)))
+    return block, min(lk, block + span - 1)
+
+
+def banded_scratch_bytes(hq: int, hkv: int, head_dim: int, lq: int, lk: int, window: int) -> int:
+    """What one banded_attention call allocates besides its output, at its largest block: Q as
+    float32, K and V as float32 and repeated to every query head, the scores and their softmax,
+    the mask, the block's float32 result and its cast."""
+    block, keys = _banded_block(hq, lq, lk, window)
+    return (4 * hq * block * head_dim * 3 + 2 * 4 * (hkv + hq) * keys * head_dim + 2 * 4 * hq * block * keys
+            + block * keys)
+
+
+def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
+                     softcap: float = 0.0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention with a sliding window and/or soft-capped scores where no kernel takes
+    them (the explicit path: scores, cap, banded mask, float32 softmax), in query blocks over only
+    the keys each block can see, so its temporaries stay bounded whatever the length (never an
+    S x S matrix; banded_scratch_bytes says how much). Same contract as cpu_flash_attention; `out` may be q."""
+    _check_shapes(q, k)
+    hq, lq, _ = q.shape
+    hkv, lk, _ = k.shape
+    offset, g = lk - lq, hq // hkv
+    out = torch.empty_like(q) if out is None else out
+    block, _ = _banded_block(hq, lq, lk, window)
+    for i0 in range(0, lq, block):
+        i1 = min(lq, i0 + block)
+        first = max(0, offset + i0 - window + 1) if window else 0
+        end = offset + i1
+        kb = k[:, first:end].float().repeat_interleave(g, 0)
+        vb = v[:, first:end].float().repeat_interleave(g, 0)
+        scores = q[:, i0:i1].float() @ kb.transpose(1, 2) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap).mul_(softcap)
+        qpos = torch.arange(offset + i0, offset + i1, device=q.device)[:, None]
+        kpos = torch.arange(first, end, device=q.device)[None, :]
+        hidden = kpos > qpos
+        if window:
+            hidden |= qpos - kpos >= window
+        out[:, i0:i1] = (scores.masked_fill_(hidden, float("-inf")).softmax(-1) @ vb).to(q.dtype)
     return out
 
 

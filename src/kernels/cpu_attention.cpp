@@ -1,6 +1,8 @@
 // Flash attention for CPU: exact causal attention, online softmax, float32 accumulation, for
 // float32 and bfloat16 inputs, grouped-query heads, and queries that are the suffix of a longer
-// key sequence (cached prefix + fresh K/V) in one pass.
+// key sequence (cached prefix + fresh K/V) in one pass. Optionally a sliding window (a query at
+// position t sees keys (t - window, t] only: key blocks wholly outside it are neither loaded nor
+// scored, the edge block is masked) and soft-capped scores (cap * tanh(score / cap), Gemma 2).
 //
 // Why our own: torch's CPU SDPA runs at ~15-60% of the same host's matmul rate; its softmax
 // takes one exact exponential per query-key pair, which bounds it. Here the exponential is a
@@ -67,11 +69,14 @@ struct Problem {
   int64_t v_head_stride, v_row_stride, o_head_stride, o_row_stride;
   int64_t hkv, group, lq, lk, d;
   int64_t offset;      // lk - lq: query i sits at key position offset + i
+  int64_t window;      // 0: every earlier key; else a query at t sees keys (t - window, t]
+  float softcap_in;    // soft-capping: scaled score s -> softcap_out * tanh(s * softcap_in); 0: none
+  float softcap_out;
   uint32_t* vp;        // pair path: V packed in key pairs, [hkv][ceil(lk / 2)][d] words
   int64_t vp_head_stride;
   int64_t block_q;     // queries per task
   int64_t block_k;     // keys per block
-  float scale_log2;    // softmax scale * log2(e)
+  float scale_log2;    // what turns a (capped) score into log2 units: scale * log2(e), or log2(e) when capped
   bool bf16;
 };
 
@@ -261,7 +266,7 @@ int64_t packed_value_words(const IsaEntry& e, int64_t hkv, int64_t lk, int64_t d
 
 // q: [Hq, Lq, D]; k, v: [Hkv, Lk, D]; out: [Hq, Lq, D], `q` itself or not overlapping it.
 void flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, double scale,
-                     const std::string& isa, int64_t block_k, int64_t task_rows) {
+                     const std::string& isa, int64_t block_k, int64_t task_rows, int64_t window, double softcap) {
   using namespace pfa;
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3, "cpu flash attention: 3-d tensors");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() && q.scalar_type() == out.scalar_type(),
@@ -274,6 +279,7 @@ void flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   TORCH_CHECK(d % 16 == 0 && d <= 256, "cpu flash attention: head_dim a multiple of 16, at most 256");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && out.stride(2) == 1, "cpu flash attention: unit stride in head_dim");
   TORCH_CHECK(out.data_ptr() != q.data_ptr() || out.strides() == q.strides(), "cpu flash attention: out aliases q with other strides");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "cpu flash attention: window and softcap are >= 0 (0: none)");
   const IsaEntry& e = pick_isa(isa);
   TORCH_CHECK(!e.pairs || q.scalar_type() == at::kBFloat16, "cpu flash attention: the ", e.name, " path takes bfloat16 inputs only");
   Problem p{};
@@ -281,10 +287,13 @@ void flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   p.q_head_stride = q.stride(0), p.q_row_stride = q.stride(1), p.k_head_stride = k.stride(0), p.k_row_stride = k.stride(1);
   p.v_head_stride = v.stride(0), p.v_row_stride = v.stride(1), p.o_head_stride = out.stride(0), p.o_row_stride = out.stride(1);
   p.hkv = hkv, p.group = hq / hkv, p.lq = lq, p.lk = lk, p.d = d, p.offset = lk - lq;
+  p.window = window >= lk ? 0 : window;  // a window as long as the keys hides nothing
   p.block_k = keys_per_block(e, block_k);
   const int64_t rows = task_rows_of(e.pairs, task_rows);
   p.block_q = queries_per_task(p.group, rows);
-  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  p.softcap_in = softcap > 0 ? static_cast<float>(scale / softcap) : 0.f;
+  p.softcap_out = static_cast<float>(softcap);
+  p.scale_log2 = static_cast<float>((softcap > 0 ? 1.0 : scale) * 1.4426950408889634);
   p.bf16 = q.scalar_type() == at::kBFloat16;
 
   at::Tensor packed_v;  // the pair path's V in key pairs, once per call (not per task)
@@ -341,7 +350,10 @@ at::Tensor exp2_nonpositive(const at::Tensor& x, const std::string& isa) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("flash_attention", &flash_attention, "causal flash attention (bottom-right aligned), out may be q");
+  m.def("flash_attention", &flash_attention, "causal flash attention (bottom-right aligned), out may be q; "
+        "window > 0: a query at t sees keys (t - window, t]; softcap > 0: scores capped by softcap * tanh(s / softcap)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("scale"), py::arg("isa"), py::arg("block_k"),
+        py::arg("task_rows"), py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("scratch_bytes", &scratch_bytes, "bytes one flash_attention call allocates besides its output");
   m.def("pair_path", [](const std::string& isa) { return pfa::pick_isa(isa).pairs; }, "whether the ISA entry is a bf16 pair path");
   m.def("supported_isas", [] { return isa_names(true); }, "ISAs this CPU can run, best first");

@@ -46,7 +46,7 @@ void run_task(const Problem& p, int64_t h, int64_t i0, int64_t nq, const Scratch
   const vf c = V::set1(p.scale_log2);
   const int64_t first_pos = p.offset + i0;            // absolute position of the task's first query
   const int64_t kv_end = imin(p.lk, first_pos + nq);  // keys visible to its last query
-  for (int64_t j0 = 0; j0 < kv_end; j0 += bk) {
+  for (int64_t j0 = first_visible_key(first_pos, p.window, 1); j0 < kv_end; j0 += bk) {
     const int64_t nk = imin(bk, kv_end - j0);
     const float *kb, *vb;
     int64_t ks, vs;
@@ -61,12 +61,13 @@ void run_task(const Problem& p, int64_t h, int64_t i0, int64_t nq, const Scratch
     }
     // S^T[j][r] = K[j] . Q[r]
     gemm_rows(nk, rp, s.st, rp, kb, ks, 1, s.qt, rp, d, false);
-    mask_future_keys(s.st, nk, rp, j0, first_pos, g);
+    if (p.softcap_out > 0) soft_cap(s.st, nk, rp, p.softcap_in, p.softcap_out);
+    mask_hidden_keys(s.st, nk, rp, j0, first_pos, g, p.window);
     // online softmax, W query rows at a time, in log2 units (scores * scale * log2 e)
     for (int64_t r = 0; r < rp; r += W) {
       const vf m_old = V::load(s.m + r);
       const vf m_new = block_max(s.st, nk, rp, r, c, m_old);
-      const vf neg_m = V::sub(V::zero(), m_new);
+      const vf neg_m = neg_max(m_new);
       vf sum = V::zero();
       for (int64_t j = 0; j < nk; ++j) {
         const vf pj = exp2_nonpositive(V::fmadd(V::load(s.st + j * rp + r), c, neg_m));

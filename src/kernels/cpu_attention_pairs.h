@@ -62,16 +62,17 @@ void run_task_pairs(const Problem& p, int64_t h, int64_t i0, int64_t nq, const S
   const uint16_t* vp = reinterpret_cast<const uint16_t*>(p.vp + h * p.vp_head_stride);
   const int64_t first_pos = p.offset + i0;            // absolute position of the task's first query
   const int64_t kv_end = imin(p.lk, first_pos + nq);  // keys visible to its last query
-  for (int64_t j0 = 0; j0 < kv_end; j0 += bk) {
+  for (int64_t j0 = first_visible_key(first_pos, p.window, 2); j0 < kv_end; j0 += bk) {
     const int64_t nk = imin(bk, kv_end - j0), npairs = (nk + 1) / 2;
     // S^T[j][r] = K[j0 + j] . Q[r], over head_dim pairs
     pair_rows(nk, rp, s.st, rp, k + j0 * p.k_row_stride, p.k_row_stride, 2, qp, rp, d / 2, false);
-    mask_future_keys(s.st, nk, rp, j0, first_pos, g);
+    if (p.softcap_out > 0) soft_cap(s.st, nk, rp, p.softcap_in, p.softcap_out);
+    mask_hidden_keys(s.st, nk, rp, j0, first_pos, g, p.window);
     // online softmax in log2 units, W rows at a time; P^T written as bf16 key pairs
     for (int64_t r = 0; r < rp; r += W) {
       const vf m_old = V::load(s.m + r);
       const vf m_new = block_max(s.st, nk, rp, r, c, m_old);
-      const vf neg_m = V::sub(V::zero(), m_new);
+      const vf neg_m = neg_max(m_new);
       vf sum = V::zero();
       for (int64_t jp = 0; jp < npairs; ++jp) {
         const vf pe = exp2_nonpositive(V::fmadd(V::load(s.st + 2 * jp * rp + r), c, neg_m));

@@ -30,13 +30,20 @@ inline vf exp2_nonpositive(vf x) {
   return V::mask_and(V::scale_by_pow2(p, n), keep);
 }
 
-// Running max of rows [r, r + W) after a block of nk scores S^T[j][r] (raw, unscaled): the
-// larger of the old max and the block's, times c = scale * log2(e). Finite: key 0 is visible
-// to every row, so the first block always has a finite score.
+// Running max of rows [r, r + W) after a block of nk scores S^T[j][r] (raw, or capped): the
+// larger of the old max and the block's, times c (Problem::scale_log2). -inf for a row that has
+// seen no visible key yet (a sliding window's edge block can hide every key from later rows):
+// neg_max then keeps its exponentials at 0 instead of NaN.
 inline vf block_max(const float* st, int64_t nk, int64_t rp, int64_t r, vf c, vf m_old) {
   vf mx = V::set1(-INFINITY);
   for (int64_t j = 0; j < nk; ++j) mx = V::max(mx, V::load(st + j * rp + r));
   return V::max(m_old, V::mul(mx, c));
+}
+
+// -m, or 0 where m = -inf (a row with nothing visible yet: its masked scores stay -inf -> 0).
+inline vf neg_max(vf m) {
+  const vf neg = V::sub(V::zero(), m);
+  return V::select(V::gt_mask(m, V::set1(-INFINITY)), V::zero(), neg);
 }
 
 // After a block: l = l * alpha + block sum, m = m_new, where alpha = 2^(m_old - m_new) where the
@@ -55,14 +62,49 @@ inline void update_rows(float* m, float* l, float* ot, int64_t d, int64_t rp, in
   for (int64_t x = 0; x < d; ++x) V::store(ot + x * rp + r, V::mul(V::load(ot + x * rp + r), alpha));
 }
 
-// causal: key j0 + j is visible to row r when its query position first_pos + r / g >= j0 + j
-inline void mask_future_keys(float* st, int64_t nk, int64_t rp, int64_t j0, int64_t first_pos, int64_t g) {
-  if (j0 + nk - 1 <= first_pos) return;
+// Key j0 + j is visible to row r (query position t = first_pos + r / g) when j0 + j <= t
+// (causal) and, with a window, t - (j0 + j) < window; the other scores become -inf.
+inline void mask_hidden_keys(float* st, int64_t nk, int64_t rp, int64_t j0, int64_t first_pos, int64_t g, int64_t window) {
+  const int64_t last_pos = first_pos + (rp - 1) / g;  // of the padded rows: masking padding is harmless
+  const bool future = j0 + nk - 1 > first_pos, old = window > 0 && last_pos - j0 >= window;
+  if (!future && !old) return;
   for (int64_t j = 0; j < nk; ++j) {
-    const int64_t hidden = imin(rp, (j0 + j - first_pos) * g);  // rows [0, hidden) cannot see key j
     float* row = st + j * rp;
-    for (int64_t r = 0; r < hidden; ++r) row[r] = -INFINITY;
+    const int64_t key = j0 + j;
+    if (future)  // rows [0, (key - first_pos) g) are before the key
+      for (int64_t r = 0, end = imin(rp, (key - first_pos) * g); r < end; ++r) row[r] = -INFINITY;
+    if (old)  // rows from (key + window - first_pos) g on are past its window
+      for (int64_t r = (key + window - first_pos) * g < 0 ? 0 : (key + window - first_pos) * g; r < rp; ++r) row[r] = -INFINITY;
   }
+}
+
+// First key any row of a task starting at first_pos can see (0 without a window), rounded down
+// to a multiple of `align` (the pair path's key pairs never straddle it).
+inline int64_t first_visible_key(int64_t first_pos, int64_t window, int64_t align) {
+  const int64_t first = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
+  return first / align * align;
+}
+
+// tanh of each lane: (1 - e) / (1 + e) with e = 2^(-2 |x| log2 e) for |x| >= 1/8, the odd series
+// x - x^3/3 + 2x^5/15 - 17x^7/315 below (where 1 - e would cancel); relative error < 1e-6.
+inline vf tanh_lanes(vf x) {
+  const vf zero = V::zero(), one = V::set1(1.0f);
+  const vf ax = V::max(x, V::sub(zero, x));
+  const vf e = exp2_nonpositive(V::mul(ax, V::set1(-2.8853900817779268f)));
+  const vf big = V::mul(V::sub(one, e), V::recip(V::add(one, e)));
+  const vf x2 = V::mul(ax, ax);
+  vf series = V::set1(-17.0f / 315.0f);
+  series = V::fmadd(series, x2, V::set1(2.0f / 15.0f));
+  series = V::fmadd(series, x2, V::set1(-1.0f / 3.0f));
+  series = V::fmadd(V::mul(series, x2), ax, ax);
+  const vf t = V::select(V::ge_mask(ax, V::set1(0.125f)), series, big);
+  return V::select(V::gt_mask(zero, x), t, V::sub(zero, t));
+}
+
+// Soft-capping of a block of scores (Gemma 2): s -> out * tanh(s * in), before any masking.
+inline void soft_cap(float* st, int64_t nk, int64_t rp, float in, float out) {
+  const vf vin = V::set1(in), vout = V::set1(out);
+  for (int64_t x = 0; x < nk * rp; x += W) V::store(st + x, V::mul(tanh_lanes(V::mul(V::load(st + x), vin)), vout));
 }
 
 inline void reset_state(float* ot, float* m, float* l, int64_t d, int64_t rp) {

@@ -18,6 +18,12 @@ Online softmax in float32 (exp2 with log2(e) folded into the scale), GQA by inde
 h reads K/V head h // group), grid (query blocks of the longest sequence, sequences, Hq); programs
 past a sequence's end return at once. Keys below every query of a tile run unmasked; only the
 diagonal tiles apply the causal mask.
+
+A sliding window (window > 0: a query at t sees keys (t - window, t] only, Gemma's local layers)
+starts each query tile's key loop at the first key its first query sees, so key tiles wholly
+before the window are neither loaded nor scored; those tiles then all run masked (the window's
+edge moves with each query). Soft-capping (softcap > 0, Gemma 2): scaled scores s become
+softcap * tanh(s / softcap) before the mask.
 """
 
 # no `from __future__ import annotations` here: triton < 3.3 reads tl.constexpr from real annotations
@@ -31,9 +37,11 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_tile(q, k_ptrs, v_ptrs, kmask, visible, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr):
+def _attend_tile(q, k_ptrs, v_ptrs, kmask, visible, m_i, l_i, acc, qk_scale, softcap, MASKED: tl.constexpr,
+                 SOFTCAP: tl.constexpr):
     """One key tile of the online softmax: returns the updated (m_i, l_i, acc). MASKED: keys
-    outside `kmask` are not loaded and scores outside `visible` drop out (both unused otherwise)."""
+    outside `kmask` are not loaded and scores outside `visible` drop out (both unused otherwise).
+    SOFTCAP: qk_scale is the plain scale, and scores become softcap * tanh(s / softcap) * log2(e)."""
     if MASKED:
         k = tl.load(k_ptrs, mask=kmask[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=kmask[:, None], other=0.0)
@@ -41,11 +49,16 @@ def _attend_tile(q, k_ptrs, v_ptrs, kmask, visible, m_i, l_i, acc, qk_scale, MAS
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
     s = tl.dot(q, tl.trans(k)) * qk_scale
+    if SOFTCAP:  # tanh(x) = 1 - 2 / (e^2x + 1): saturates to +-1 without overflow trouble
+        s = (1.0 - 2.0 / (tl.exp2(s * (2.0 * 1.4426950408889634 / softcap)) + 1.0)) * (softcap * 1.4426950408889634)
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    # a row that has seen no visible key yet (a window's edge tile) keeps m = -inf: subtract 0
+    # there, so its probabilities are exp2(-inf) = 0 rather than NaN
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     l_i = l_i * alpha + tl.sum(p, 1)
     return m_new, l_i, acc
@@ -57,8 +70,9 @@ def _prefill_attention_kernel(
     q_start_ptr, q_len_ptr, kv_start_ptr, ctx_ptr, paged_ptr,
     s_qh, s_qt, s_kh, s_kt, s_oh, s_ot,
     s_ps, s_ph, s_pt, s_tb,
-    qk_scale,
+    qk_scale, window, softcap,
     GROUP: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     seq = tl.program_id(1)
@@ -84,28 +98,52 @@ def _prefill_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
 
-    # 1. the paged prefix [0, paged): every query sees all of it
-    for n0 in range(0, paged, BLOCK_N):
-        offs_n = n0 + offs_n0
-        kmask = offs_n < paged
-        slot = tl.load(Table + seq * s_tb + offs_n // PAGE, mask=kmask, other=0)
-        row = slot[:, None] * s_ps + kvh * s_ph + (offs_n % PAGE)[:, None] * s_pt + offs_d[None, :]
-        m_i, l_i, acc = _attend_tile(q, KP + row, VP + row, kmask, kmask[None, :], m_i, l_i, acc, qk_scale, MASKED=True)
-
-    # 2. the workspace keys [paged, ctx): unmasked while below the tile's first query, then causal
     seg = kv_start + offs_n0
-    diag = tl.minimum(first_pos + pid_m * BLOCK_M + 1, ctx)  # keys < diag are visible to every query here
-    n_full = paged + ((diag - paged) // BLOCK_N) * BLOCK_N
-    for n0 in range(paged, n_full, BLOCK_N):
-        row = kvh * s_kh + (seg + n0)[:, None] * s_kt + offs_d[None, :]
-        m_i, l_i, acc = _attend_tile(q, K + row, V + row, offs_n0, offs_n0, m_i, l_i, acc, qk_scale, MASKED=False)
     hi = tl.minimum(ctx, first_pos + (pid_m + 1) * BLOCK_M)
-    for n0 in range(n_full, hi, BLOCK_N):
-        offs_n = n0 + offs_n0
-        kmask = offs_n < ctx
-        visible = (offs_n[None, :] <= pos_m[:, None]) & kmask[None, :]
-        row = kvh * s_kh + (seg + n0)[:, None] * s_kt + offs_d[None, :]
-        m_i, l_i, acc = _attend_tile(q, K + row, V + row, kmask, visible, m_i, l_i, acc, qk_scale, MASKED=True)
+    if WINDOW:
+        # only keys (pos - window, pos] of some query of the tile: from its first query's first key,
+        # in BLOCK_N steps, every tile masked (paged prefix first, then the workspace)
+        lo = tl.maximum(first_pos + pid_m * BLOCK_M - window + 1, 0)
+        for n0 in range(lo, tl.minimum(paged, hi), BLOCK_N):
+            offs_n = n0 + offs_n0
+            kmask = offs_n < paged
+            slot = tl.load(Table + seq * s_tb + offs_n // PAGE, mask=kmask, other=0)
+            row = slot[:, None] * s_ps + kvh * s_ph + (offs_n % PAGE)[:, None] * s_pt + offs_d[None, :]
+            visible = kmask[None, :] & (pos_m[:, None] - offs_n[None, :] < window)
+            m_i, l_i, acc = _attend_tile(q, KP + row, VP + row, kmask, visible, m_i, l_i, acc, qk_scale, softcap,
+                                         MASKED=True, SOFTCAP=SOFTCAP)
+        for n0 in range(tl.maximum(lo, paged), hi, BLOCK_N):
+            offs_n = n0 + offs_n0
+            kmask = offs_n < hi
+            visible = ((offs_n[None, :] <= pos_m[:, None]) & kmask[None, :]
+                       & (pos_m[:, None] - offs_n[None, :] < window))
+            row = kvh * s_kh + (seg + n0)[:, None] * s_kt + offs_d[None, :]
+            m_i, l_i, acc = _attend_tile(q, K + row, V + row, kmask, visible, m_i, l_i, acc, qk_scale, softcap,
+                                         MASKED=True, SOFTCAP=SOFTCAP)
+    else:
+        # 1. the paged prefix [0, paged): every query sees all of it
+        for n0 in range(0, paged, BLOCK_N):
+            offs_n = n0 + offs_n0
+            kmask = offs_n < paged
+            slot = tl.load(Table + seq * s_tb + offs_n // PAGE, mask=kmask, other=0)
+            row = slot[:, None] * s_ps + kvh * s_ph + (offs_n % PAGE)[:, None] * s_pt + offs_d[None, :]
+            m_i, l_i, acc = _attend_tile(q, KP + row, VP + row, kmask, kmask[None, :], m_i, l_i, acc, qk_scale, softcap,
+                                         MASKED=True, SOFTCAP=SOFTCAP)
+
+        # 2. the workspace keys [paged, ctx): unmasked while below the tile's first query, then causal
+        diag = tl.minimum(first_pos + pid_m * BLOCK_M + 1, ctx)  # keys < diag are visible to every query here
+        n_full = paged + ((diag - paged) // BLOCK_N) * BLOCK_N
+        for n0 in range(paged, n_full, BLOCK_N):
+            row = kvh * s_kh + (seg + n0)[:, None] * s_kt + offs_d[None, :]
+            m_i, l_i, acc = _attend_tile(q, K + row, V + row, offs_n0, offs_n0, m_i, l_i, acc, qk_scale, softcap,
+                                         MASKED=False, SOFTCAP=SOFTCAP)
+        for n0 in range(n_full, hi, BLOCK_N):
+            offs_n = n0 + offs_n0
+            kmask = offs_n < ctx
+            visible = (offs_n[None, :] <= pos_m[:, None]) & kmask[None, :]
+            row = kvh * s_kh + (seg + n0)[:, None] * s_kt + offs_d[None, :]
+            m_i, l_i, acc = _attend_tile(q, K + row, V + row, kmask, visible, m_i, l_i, acc, qk_scale, softcap,
+                                         MASKED=True, SOFTCAP=SOFTCAP)
 
     out = acc / l_i[:, None]
     tl.store(Out + h * s_oh + (q_start + offs_m)[:, None] * s_ot + offs_d[None, :], out.to(Out.dtype.element_ty),
@@ -131,12 +169,15 @@ class BatchLayout:
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layout: BatchLayout,
                       scale: float, pages: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                      tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                      tiles: tuple[int, int, int, int] | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Attention of every sequence of `layout` (see the module docstring), written into `out`.
 
     pages = (k_pages, v_pages, table) when any sequence reads a paged prefix. `tiles` =
     (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the tuned choice (tests, the tuner).
+    window > 0: a query at t sees keys (t - window, t] only; softcap > 0: soft-capped scores.
     """
+    if window < 0 or softcap < 0:
+        raise ValueError(f"window and softcap are >= 0 (0: none), got {window} and {softcap}")
     hq, _, d = q.shape
     hkv = k.shape[0]
     for t in (q, k, v, out):
@@ -167,8 +208,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
         layout.q_start, layout.q_len, layout.kv_start, layout.ctx, layout.paged,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1),
         s_ps, s_ph, s_pt, s_tb,
-        float(scale) * _LOG2E,
-        GROUP=hq // hkv, PAGE=page, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        float(scale) * (1.0 if softcap else _LOG2E), int(window), float(softcap) or 1.0,
+        GROUP=hq // hkv, PAGE=page, D=d, BLOCK_M=block_m, BLOCK_N=block_n, WINDOW=window > 0, SOFTCAP=softcap > 0,
         num_warps=warps, num_stages=stages,
     )
     return out
@@ -199,6 +240,7 @@ class BatchAttention:
                 if pg is not None:
                     self.table[i, : pg[1].shape[0]] = pg[1].to(device=device, dtype=torch.int32)
 
-    def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0,
+            softcap: float = 0.0) -> torch.Tensor:
         pages = (self.pool.k[layer], self.pool.v[layer], self.table) if self.pool is not None else None
-        return prefill_attention(q, k, v, q, self.layout, self.scale, pages)
+        return prefill_attention(q, k, v, q, self.layout, self.scale, pages, window=window, softcap=softcap)

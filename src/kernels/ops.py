@@ -147,6 +147,18 @@ def rope_qkv_into(q_dst: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor,
     v_dst.copy_(qkv[:, qw + kw :].view(n, kv_heads, hd).transpose(0, 1))
 
 
+def gated_activation_into(out: torch.Tensor, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """out [rows, F] = act(gate) * up for gate_up [rows, 2F] = [gate | up]: silu (SwiGLU, compiled
+    where it can be) or gelu_tanh (GeGLU, Gemma: in place on the gate, in its dtype as transformers)."""
+    if activation == "silu":
+        return swiglu_into(out, gate_up)
+    if activation != "gelu_tanh":
+        raise ValueError(f"unknown gated activation {activation!r}")
+    f = gate_up.shape[-1] // 2
+    gate = torch.ops.aten.gelu_(gate_up[:, :f], approximate="tanh")
+    return torch.mul(gate, gate_up[:, f:], out=out)
+
+
 def swiglu_into(out: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     """out [rows, F] = silu(gate) * up, where gate_up [rows, 2F] = [gate | up] (gate is
     overwritten, on the torch path). Writing a contiguous `out` lets down_proj read it without a copy."""
