@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from .errors import ConfigError, UnsupportedModelError
 
-# architecture name -> family. All share the Llama weight layout; the flags below (biases, q/k
-# norm, Gemma's norms, scales, activation, windows and soft-capping) are what differs.
+# architecture name -> family. All share the Llama layout (Phi-3 stores q/k/v and gate/up already
+# fused, as the executor wants them); the flags below (biases, q/k norm, Gemma's norms, scales,
+# activation, windows and soft-capping) are what differs.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -22,6 +23,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
 }
 GEMMA = ("gemma2", "gemma3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -151,6 +153,12 @@ class ModelSpec:
         if family in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
             window = None
         layer_types = tuple(getattr(config, "layer_types", None) or ()) if gemma else ()
+        if family == "phi3":
+            partial = rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None)
+            if partial not in (None, 1, 1.0):
+                raise UnsupportedModelError(f"unsupported partial_rotary_factor {partial} (Phi-4-mini's); supported: 1.0")
+            if window:  # every layer windowed (Phi-3-mini's 2,047): the kernels honour it at any length
+                layer_types = ("sliding_attention",) * config.num_hidden_layers
         if gemma:
             if len(layer_types) != config.num_hidden_layers or not set(layer_types) <= set(LAYER_TYPES):
                 raise UnsupportedModelError(f"unsupported layer_types {list(layer_types)!r}; each layer one of {', '.join(LAYER_TYPES)}")

@@ -74,8 +74,9 @@ class ModelWeights:
         layers = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
-            attn = [p + f"self_attn.{x}_proj" for x in "qkv"]
-            mlp = [p + "mlp.gate_proj", p + "mlp.up_proj"]
+            # separate projections, or (Phi-3) already fused in the same [q; k; v] and [gate; up] order
+            attn = [p + f"self_attn.{x}_proj" for x in "qkv"] if spec.family != "phi3" else [p + "self_attn.qkv_proj"]
+            mlp = [p + "mlp.gate_proj", p + "mlp.up_proj"] if spec.family != "phi3" else [p + "mlp.gate_up_proj"]
             layers.append(
                 LayerWeights(
                     input_norm=norm(p + "input_layernorm.weight"),

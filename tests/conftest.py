@@ -32,6 +32,9 @@ FAMILY_CONFIGS = {
     # enough that these weights' scores and logits reach them)
     "gemma2_softcap_window": ("Gemma2Config", dict(_SMALL, num_key_value_heads=1, head_dim=32, sliding_window=8,
         query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    # Phi-3: fused qkv_proj and gate_up_proj, every layer windowed (Phi-3-mini's 2,047 keys: here 8)
+    "phi3_fused_window": ("Phi3Config", dict(_SMALL, num_key_value_heads=2, sliding_window=8, pad_token_id=0,
+                                             tie_word_embeddings=False)),
 }
 
 

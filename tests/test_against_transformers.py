@@ -98,9 +98,9 @@ def test_gemma_windows_rope_tables_and_caps_each_matter(family_folders, referenc
 
 def test_prefix_split_equals_one_pass(family_folders):
     """Prompt in one go == (prefix K/V given, suffix computed), for several split points (Gemma's
-    around its 8-key window: the prefix shorter than, crossing and far past it)."""
+    and Phi-3's around their 8-key window: the prefix shorter than, crossing and far past it)."""
     for family in ("llama_gqa_llama3rope_untied", "qwen3_qknorm_untied", "qwen2_bias_tied", "gemma3_window_two_ropes",
-                   "gemma2_softcap_window"):
+                   "gemma2_softcap_window", "phi3_fused_window"):
         ex = _executor(family_folders[family], torch.float32)
         ids = _random_ids(ex.spec.vocab_size, 97, seed=7)
         whole = _ours(ex, ids, None)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, Qwen3Config
+from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, Phi3Config, Qwen3Config
 
 from prefillonly.model_spec import ModelSpec
 
@@ -84,11 +84,19 @@ REFUSED = [
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         "full_attention": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 2.0}},
         architectures=["Gemma3ForCausalLM"]), "unsupported rope_type 'dynamic'"),
+    (Phi3Config(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, original_max_position_embeddings=4096,
+                max_position_embeddings=131072, pad_token_id=0, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 32, "long_factor": [2.0] * 32},
+        architectures=["Phi3ForCausalLM"]), "unsupported rope_type 'longrope'"),
+    (Phi3Config(num_hidden_layers=2, pad_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                                      "partial_rotary_factor": 0.75},
+                architectures=["Phi3ForCausalLM"]), "unsupported partial_rotary_factor 0.75"),
 ]
 
 
 @pytest.mark.parametrize("config, message", REFUSED, ids=["multimodal_gemma3", "gemma2_relu", "llama_gelu", "llama_dynamic_rope",
-                                                           "gemma3_bidirectional", "gemma3_global_dynamic_rope"])
+                                                           "gemma3_bidirectional", "gemma3_global_dynamic_rope",
+                                                           "phi3_longrope", "phi4_partial_rotary"])
 def test_unsupported_configs_are_refused_by_name(config, message):
     from prefillonly.errors import UnsupportedModelError
 
