@@ -31,7 +31,7 @@ from .cache.prefix_cache import PrefixCache
 from .completions import CompletionThread
 from .config import EngineConfig
 from .default_model import ensure_default_model
-from .errors import ConfigError, DeadlineExceededError, EngineClosedError, PrefillOnlyError
+from .errors import ConfigError, DeadlineExceededError, EngineClosedError, InvalidRequestError, PrefillOnlyError
 from .executor import HybridPrefillExecutor
 from .kernels.attention import AttentionShape, resolve_backend
 from .limits import RequestLimits, max_token_bytes
@@ -154,6 +154,11 @@ class Engine:
         keep = check_cache_prefix_len(cache_prefix_len, len(shared))
         namespace = check_namespace(cache_namespace, user)
         check_length(len(shared) + max(len(x) for x in item_ids), self.max_input_len)
+        if len({self.spec.rope_long(len(shared) + len(x)) for x in item_ids}) > 1:
+            raise InvalidRequestError(
+                f"the items put prompt + item on both sides of {self.spec.rope_switch_length} tokens, where this model's "
+                f"LongRoPE switches to its long factors (transformers would rotate them differently): send the items "
+                f"shorter and longer than that as two requests")
         request = ScoreRequest(shared, allowed_ids, top_k, keep, namespace, item_ids=item_ids)
         return self._enqueue(request, priority, deadline_s)
 
@@ -209,7 +214,11 @@ class Engine:
         priority = check_priority(priority)
         deadline = check_deadline(deadline_s)
         if self.cache is not None:
-            request.block_hashes = self.cache.hashes(request.token_ids, request.namespace)
+            # K/V rotated with LongRoPE's long factors never serves a prompt rotated with the short ones
+            namespace = request.namespace
+            if self.spec.rope_long(request.rope_length):
+                namespace = f"{namespace or ''}\0longrope-long"
+            request.block_hashes = self.cache.hashes(request.token_ids, namespace)
         block = self.config.cache_block_size
         req = QueuedRequest(prompt_tokens=request.total_tokens, block_hashes=request.block_hashes, priority=priority,
                             payload=request, kept_blocks=request.keep_len // block, runs_alone=request.runs_alone,

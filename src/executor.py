@@ -43,6 +43,11 @@ class Sequence:
     prefix: PrefixSource | None = None  # fills the first P positions of each layer's K/V
     sink: KVSink | None = None  # offered each layer's K/V ([kv_heads, P + S, head_dim]) to keep
     capture: tuple[int, int] | None = None  # return the K/V of absolute positions [start, end)
+    rope_length: int | None = None  # the length that picks LongRoPE's factors; None = prefix + new tokens
+
+    @property
+    def regime_length(self) -> int:
+        return self.rope_length if self.rope_length is not None else self.prefix_tokens + self.new_tokens
 
     @property
     def new_tokens(self) -> int:
@@ -121,10 +126,10 @@ class HybridPrefillExecutor:
 
     def forward(self, token_ids: torch.Tensor, chunk_size: int | None, prefix: PrefixSource | None = None,
                 sink: KVSink | None = None, capture: tuple[int, int] | None = None,
-                inplace_attention: bool = False) -> ForwardOutput:
+                inplace_attention: bool = False, rope_length: int | None = None) -> ForwardOutput:
         """One sequence: the new tokens `token_ids` ([S] int64, S >= 1) after an optional cached
         `prefix` (a batch of one; see forward_batch for the arguments)."""
-        out = self.forward_batch(ForwardBatch([Sequence(token_ids, prefix, sink, capture)]), chunk_size, inplace_attention)
+        out = self.forward_batch(ForwardBatch([Sequence(token_ids, prefix, sink, capture, rope_length)]), chunk_size, inplace_attention)
         return ForwardOutput(logits=out.logits[0], captured=out.captured[0])
 
     @torch.inference_mode()
@@ -150,7 +155,8 @@ class HybridPrefillExecutor:
             ws["hidden"].mul_(torch.tensor(spec.embed_scale, dtype=self.dtype))
         chunks = [(c0, min(plan.new_tokens, c0 + plan.chunk)) for c0 in range(0, plan.new_tokens, plan.chunk)]
         # each chunk's pieces with their rows' RoPE tables (per table), built once and reused by every layer
-        pieces = {kind: [[(i, r0, r1, *rotary.cos_sin(seqs[i].prefix_tokens + r0, seqs[i].prefix_tokens + r1, self.rope_dtype))
+        pieces = {kind: [[(i, r0, r1, *rotary.cos_sin(seqs[i].prefix_tokens + r0, seqs[i].prefix_tokens + r1, self.rope_dtype,
+                                                      long=spec.rope_long(seqs[i].regime_length)))
                           for i, r0, r1 in batch.pieces(c0, c1)] for c0, c1 in chunks]
                   for kind, rotary in self.rotaries.items()}
         # per sequence: its queries (packed rows) and its K/V segment ([Hkv, P + S, hd])

@@ -29,8 +29,9 @@ GEMMA = ("gemma2", "gemma3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # MLP activations by config name -> ours: SwiGLU's silu, Gemma's tanh-approximated GELU
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
-# rope types whose frequencies do not depend on the sequence length
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# rope types whose frequencies do not depend on the sequence length, and LongRoPE (Phi-3.5, Phi-4-mini),
+# whose short or long factors are chosen by a sequence's whole length (ModelSpec.rope_switch_length)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class ModelSpec:
     # Gemma 2/3 (defaults: the Llama-like families)
     layer_types: tuple[str, ...] = ()  # per layer, one of LAYER_TYPES; () = every layer full attention
     rope_per_layer_type: bool = False  # RoPE parameters per layer type (Gemma 3), else one set for all
+    rotary_dim: int | None = None  # leading dims of each head RoPE rotates (Phi-4-mini: 3/4); None = all
+    rope_switch_length: int | None = None  # LongRoPE: a sequence longer than this uses the long factors
     attention_scale: float | None = None  # softmax scale; None = head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     embed_scale: float | None = None  # embeddings are multiplied by it (Gemma: sqrt(hidden_size), in the model dtype)
     norm_plus_one: bool = False  # RMSNorm weights are stored as w and used as (1 + w) (Gemma)
@@ -69,6 +72,11 @@ class ModelSpec:
         if self.layer_types and self.layer_types[layer] == "sliding_attention":
             return int(self.sliding_window)
         return 0
+
+    def rope_long(self, sequence_length: int) -> bool:
+        """Whether a sequence of this many tokens (prefix included) rotates with LongRoPE's long
+        factors: past the original context length, as transformers switches for the whole forward."""
+        return self.rope_switch_length is not None and sequence_length > self.rope_switch_length
 
     def rope_table(self, layer: int) -> str | None:
         """Which RoPE table `layer` uses: its layer type where the parameters differ by type, else None."""
@@ -140,23 +148,31 @@ class ModelSpec:
         rope_per_type = bool(gemma and rope and set(rope) <= set(LAYER_TYPES))
         for params in (rope.values() if rope_per_type else [rope]):
             rope_type = (params or {}).get("rope_type", "default")
-            if rope_type not in SUPPORTED_ROPE_TYPES:
+            if rope_type not in SUPPORTED_ROPE_TYPES or (rope_type == "longrope" and family != "phi3"):
                 raise UnsupportedModelError(
-                    f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+                    f"unsupported rope_type {rope_type!r} for {arch}; supported: {', '.join(SUPPORTED_ROPE_TYPES)} "
+                    f"(longrope on Phi-3 only)"
                 )
         act_name = getattr(config, "hidden_activation", None) if gemma else getattr(config, "hidden_act", "silu")
         activation = ACTIVATIONS.get(act_name)
         if activation is None or (gemma != (activation == "gelu_tanh")):
             raise UnsupportedModelError(f"unsupported MLP activation {act_name!r} for {arch}; "
                                         f"supported: silu (Llama, Mistral, Qwen), gelu_pytorch_tanh (Gemma)")
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         window = getattr(config, "sliding_window", None)
         if family in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
             window = None
         layer_types = tuple(getattr(config, "layer_types", None) or ()) if gemma else ()
+        rotary_dim = switch = None
         if family == "phi3":
-            partial = rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None)
-            if partial not in (None, 1, 1.0):
-                raise UnsupportedModelError(f"unsupported partial_rotary_factor {partial} (Phi-4-mini's); supported: 1.0")
+            partial = float(rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0)
+            rotary_dim = int(head_dim * partial)
+            if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+                raise UnsupportedModelError(f"unsupported partial_rotary_factor {partial}: {rotary_dim} of {head_dim} "
+                                            f"head dims; supported: an even count of them")
+            if rope.get("rope_type") == "longrope":
+                switch = int(rope["original_max_position_embeddings"])
             if window:  # every layer windowed (Phi-3-mini's 2,047): the kernels honour it at any length
                 layer_types = ("sliding_attention",) * config.num_hidden_layers
         if gemma:
@@ -166,8 +182,6 @@ class ModelSpec:
                 raise UnsupportedModelError("use_bidirectional_attention is not supported (prefill-only scoring is causal)")
             if "sliding_attention" in layer_types and not window:
                 raise UnsupportedModelError("sliding_attention layers without a sliding_window")
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         attention_bias = bool(getattr(config, "attention_bias", False))
         return cls(
             architecture=arch,
@@ -190,6 +204,8 @@ class ModelSpec:
             hf_config=config,
             layer_types=layer_types,
             rope_per_layer_type=rope_per_type,
+            rotary_dim=rotary_dim if rotary_dim != head_dim else None,
+            rope_switch_length=switch,
             attention_scale=float(config.query_pre_attn_scalar) ** -0.5 if gemma else None,
             embed_scale=float(config.hidden_size) ** 0.5 if gemma else None,
             norm_plus_one=gemma,

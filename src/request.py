@@ -33,6 +33,13 @@ class ScoreRequest:
         return len(self.token_ids) + (sum(map(len, self.item_ids)) if self.item_ids else 0)
 
     @property
+    def rope_length(self) -> int:
+        """The sequence length that picks a length-switched RoPE's factors (LongRoPE): the prompt,
+        or the shared prompt with its longest item (every item of a request computes in the regime
+        of that length; the engine refuses a request whose items fall on both sides)."""
+        return len(self.token_ids) + (max(map(len, self.item_ids)) if self.item_ids else 0)
+
+    @property
     def runs_alone(self) -> bool:
         """A multi-item request is a step of its own: its shared prompt first, then its items
         batched over the shared K/V."""

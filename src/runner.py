@@ -149,14 +149,16 @@ class PrefillRunner:
         inplace_shared = self.needs_inplace_attention(len(shared) - p, p, captured=len(shared))
         # the items run while the shared K/V is held: count it like a capture of that size
         inplace_items = self.needs_inplace_attention(max(map(len, items)), len(shared), captured=len(shared))
+        regime = request.rope_length  # the shared part and every item rotate as its longest item does
         shared_kv: PrefixKV = self.executor.forward_batch(
-            ForwardBatch([_uncached_sequence(shared, ticket, capture=(0, len(shared)))]), self.chunk_size,
+            ForwardBatch([_uncached_sequence(shared, ticket, capture=(0, len(shared)), rope_length=regime)]), self.chunk_size,
             inplace_shared).captured[0]
         results: list[ScoreResult] = []
         for group in self._item_groups(items, len(shared), inplace_items):
             self.meter.start()
             out = self.executor.forward_batch(
-                ForwardBatch([Sequence(torch.tensor(items[j], dtype=torch.long), prefix=shared_kv) for j in group]),
+                ForwardBatch([Sequence(torch.tensor(items[j], dtype=torch.long), prefix=shared_kv, rope_length=regime)
+                              for j in group]),
                 self.chunk_size, inplace_items)
             peak = self.meter.peak_growth()
             # items never go through the prefix cache, so its miss count leaves them out: counted here
@@ -190,8 +192,9 @@ def _cached(ticket: CacheTicket | None) -> int:
     return ticket.cached_tokens if ticket is not None else 0
 
 
-def _uncached_sequence(ids: list[int], ticket: CacheTicket | None, capture: tuple[int, int] | None = None) -> Sequence:
+def _uncached_sequence(ids: list[int], ticket: CacheTicket | None, capture: tuple[int, int] | None = None,
+                       rope_length: int | None = None) -> Sequence:
     """The tokens the cache did not hold, fed the cached prefix and keeping the ticket's blocks."""
     p = _cached(ticket)
     return Sequence(torch.tensor(ids[p:], dtype=torch.long), prefix=ticket.source if ticket else None,
-                    sink=ticket.sink if ticket else None, capture=capture)
+                    sink=ticket.sink if ticket else None, capture=capture, rope_length=rope_length)

@@ -35,6 +35,12 @@ FAMILY_CONFIGS = {
     # Phi-3: fused qkv_proj and gate_up_proj, every layer windowed (Phi-3-mini's 2,047 keys: here 8)
     "phi3_fused_window": ("Phi3Config", dict(_SMALL, num_key_value_heads=2, sliding_window=8, pad_token_id=0,
                                              tie_word_embeddings=False)),
+    # Phi-4-mini-like: LongRoPE (short factors up to 64 tokens, long past them: the 130-token prompts
+    # switch) and a partial rotary factor (12 of each head's 16 dims rotate), tied
+    "phi3_longrope_partial": ("Phi3Config", dict(_SMALL, num_key_value_heads=2, pad_token_id=0, tie_word_embeddings=True,
+        original_max_position_embeddings=64, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75, "original_max_position_embeddings": 64,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], "long_factor": [1.5, 2.2, 3.4, 5.1, 7.7, 11.6]})),
 }
 
 

@@ -100,12 +100,13 @@ def test_prefix_split_equals_one_pass(family_folders):
     """Prompt in one go == (prefix K/V given, suffix computed), for several split points (Gemma's
     and Phi-3's around their 8-key window: the prefix shorter than, crossing and far past it)."""
     for family in ("llama_gqa_llama3rope_untied", "qwen3_qknorm_untied", "qwen2_bias_tied", "gemma3_window_two_ropes",
-                   "gemma2_softcap_window", "phi3_fused_window"):
+                   "gemma2_softcap_window", "phi3_fused_window", "phi3_longrope_partial"):
         ex = _executor(family_folders[family], torch.float32)
         ids = _random_ids(ex.spec.vocab_size, 97, seed=7)
         whole = _ours(ex, ids, None)
         for split in (1, 40, 96):
-            prefix = ex.forward(torch.tensor(ids[:split]), 16, capture=(0, split)).captured
+            # the prefix rotates as the whole prompt does (LongRoPE: 97 tokens are past the switch at 64)
+            prefix = ex.forward(torch.tensor(ids[:split]), 16, capture=(0, split), rope_length=len(ids)).captured
             assert prefix.length == split
             got = ex.forward(torch.tensor(ids[split:]), 16, prefix=prefix).logits.double().log_softmax(-1)
             assert max_abs(got, whole) <= 1e-4, f"{family} split at {split}"
@@ -143,3 +144,20 @@ def test_real_default_model_matches_transformers(default_model_path):
     detail = f"ours {[round(e, 3) for e in ours_errs]} vs transformers-bf16 {[round(e, 3) for e in hf_errs]}"
     assert ours_mean <= 1.5 * hf_mean + 1e-3, f"bf16 mean: {detail}"
     assert max(ours_errs) <= 2.5 * max(hf_errs) + 1e-3, f"bf16 worst prompt: {detail}"
+
+
+def test_longrope_switches_at_the_original_length_and_a_prefix_keeps_its_regime(family_folders, references):
+    """LongRoPE (Phi-3.5 / Phi-4-mini): prompts up to the original context length (64 here) rotate
+    with the short factors, longer ones with the long factors, as transformers does for a forward of
+    that length; a prefix computed in the short regime (its own length) is not the prefix of a long
+    prompt, which is why the engine keys cached blocks by regime."""
+    ex = _executor(family_folders["phi3_longrope_partial"], torch.float32)
+    assert ex.spec.rope_switch_length == 64 and ex.spec.rotary_dim == 12
+    ref64, _ = references["phi3_longrope_partial"]
+    for n in (63, 64, 65, 100):
+        ids = _random_ids(300, n, seed=n)
+        assert max_abs(_ours(ex, ids, 16), hf_logprobs(ref64, ids)) <= 1e-4, n
+    ids = _random_ids(300, 100, seed=100)
+    short_prefix = ex.forward(torch.tensor(ids[:50]), 16, capture=(0, 50)).captured  # 50 tokens: short factors
+    mixed = ex.forward(torch.tensor(ids[50:]), 16, prefix=short_prefix).logits.double().log_softmax(-1)
+    assert max_abs(mixed, hf_logprobs(ref64, ids)) > 1e-3

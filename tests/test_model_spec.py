@@ -84,19 +84,18 @@ REFUSED = [
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         "full_attention": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 2.0}},
         architectures=["Gemma3ForCausalLM"]), "unsupported rope_type 'dynamic'"),
-    (Phi3Config(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, original_max_position_embeddings=4096,
-                max_position_embeddings=131072, pad_token_id=0, rope_parameters={
-        "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 32, "long_factor": [2.0] * 32},
-        architectures=["Phi3ForCausalLM"]), "unsupported rope_type 'longrope'"),
+    (LlamaConfig(max_position_embeddings=131072, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 4096, "short_factor": [1.0] * 64,
+        "long_factor": [2.0] * 64}, architectures=["LlamaForCausalLM"]), "unsupported rope_type 'longrope' for LlamaForCausalLM"),
     (Phi3Config(num_hidden_layers=2, pad_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
-                                                                      "partial_rotary_factor": 0.75},
-                architectures=["Phi3ForCausalLM"]), "unsupported partial_rotary_factor 0.75"),
+                                                                      "partial_rotary_factor": 0.03125},
+                architectures=["Phi3ForCausalLM"]), "unsupported partial_rotary_factor 0.03125: 3 of 96"),
 ]
 
 
 @pytest.mark.parametrize("config, message", REFUSED, ids=["multimodal_gemma3", "gemma2_relu", "llama_gelu", "llama_dynamic_rope",
                                                            "gemma3_bidirectional", "gemma3_global_dynamic_rope",
-                                                           "phi3_longrope", "phi4_partial_rotary"])
+                                                           "llama_longrope", "phi3_odd_rotary_dims"])
 def test_unsupported_configs_are_refused_by_name(config, message):
     from prefillonly.errors import UnsupportedModelError
 

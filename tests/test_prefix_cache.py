@@ -366,3 +366,33 @@ def test_index_begin_restores_second_tier_blocks_and_returns_the_moves():
 def test_index_begin_needs_the_block_size():
     with pytest.raises(ValueError, match="block_size"):
         PrefixIndex(tier1_slots=2).begin([b"x"], 4, 4)
+
+
+def test_longrope_regimes_never_share_cached_blocks(family_folders):
+    """A LongRoPE model rotates a prompt by its whole length's regime (short factors up to the
+    original context length, 64 here, long past it): a short prompt's cached prefix must not serve
+    a long prompt that starts the same. Every result equals the same prompt on a fresh engine; a
+    multi-item request runs in its longest item's regime, and one whose items fall on both sides
+    of the switch is refused by name."""
+    folder = family_folders["phi3_longrope_partial"]
+    rng = random.Random(5)
+    profile = [rng.randrange(300) for _ in range(48)]
+    short, long = profile + [rng.randrange(300) for _ in range(10)], profile + [rng.randrange(300) for _ in range(40)]
+    config = dict(model=folder, dtype="float32", threads=2, cache_block_size=16, cache_budget_bytes=8 << 20)
+    with Engine(EngineConfig(**config)) as fresh:
+        want_long = fresh.score(long, [5, 17])
+        want_items = [fresh.score(profile + item, [5, 17]) for item in ([1] * 20, [2] * 30)]
+    with Engine(EngineConfig(**config)) as engine:
+        first = engine.score(short, [5, 17])
+        assert first.cached_tokens == 0
+        got = engine.score(long, [5, 17])  # same 48-token profile, other regime: no hit
+        assert got.cached_tokens == 0
+        assert [t.logprob for t in got.tokens] == pytest.approx([t.logprob for t in want_long.tokens], abs=1e-4)
+        again = engine.score(long, [5, 17])  # the long regime's own blocks do hit (all 5 full blocks of 88 tokens)
+        assert again.cached_tokens == 80 and [t.logprob for t in again.tokens] == pytest.approx(
+            [t.logprob for t in want_long.tokens], abs=1e-4)
+        items = engine.score_items(profile, [[1] * 20, [2] * 30], [5, 17])  # 68 and 78 tokens: both long
+        for g, w in zip(items, want_items):
+            assert [t.logprob for t in g.tokens] == pytest.approx([t.logprob for t in w.tokens], abs=1e-4)
+        with pytest.raises(InvalidRequestError, match="both sides of 64 tokens"):
+            engine.score_items(profile, [[1] * 5, [2] * 30], [5, 17])

@@ -114,6 +114,10 @@ def rope_into(dst: torch.Tensor, src: torch.Tensor, cos: torch.Tensor, sin: torc
     if kernels is not None and cos.dtype == torch.float32 and src.stride(-1) == 1 and dst.stride(-1) == 1:
         kernels.rope(src.transpose(0, 1), dst, cos, sin)
         return
+    _rope_torch(dst, src, cos, sin)
+
+
+def _rope_torch(dst: torch.Tensor, src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     cos, sin = cos.to(src.dtype), sin.to(src.dtype)
     half = src.shape[-1] // 2
     x1, x2 = src[..., :half], src[..., half:]
@@ -129,8 +133,11 @@ def rope_qkv_into(q_dst: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor,
     """The fused QKV rows of one piece ([n, (heads + 2 kv_heads) * hd]) into the workspace:
     q_dst [heads, n, hd] and k_dst [kv_heads, n, hd] rotated, v_dst copied. qk_norm =
     (q weight32, k weight32, eps): Qwen3's per-head RMSNorm of q and k first (on the torch path
-    in place in qkv, through scratch32 [n, >= heads * hd] float32). One pass on the Triton path."""
-    fused = _gpu_ops(qkv)
+    in place in qkv, through scratch32 [n, >= heads * hd] float32). One pass on the Triton path.
+    cos/sin narrower than hd / 2 (a partial rotary factor, Phi-4-mini): only the leading 2 x their
+    width dims of each head rotate, the rest are copied (torch ops: the fused kernels rotate whole heads)."""
+    partial = 2 * cos.shape[-1] < q_dst.shape[-1]
+    fused = None if partial else _gpu_ops(qkv)
     if fused is not None and cos.dtype == torch.float32:
         fused.rope_qkv(q_dst, k_dst, v_dst, qkv, cos, sin, heads, kv_heads, qk_norm)
         return
@@ -142,8 +149,14 @@ def rope_qkv_into(q_dst: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor,
         wq, wk, eps = qk_norm
         rms_norm_into(q, q, wq, eps, scratch32[:n, :qw].view(n, heads, hd))
         rms_norm_into(k, k, wk, eps, scratch32[:n, :kw].view(n, kv_heads, hd))
-    rope_into(q_dst, q.transpose(0, 1), cos, sin)
-    rope_into(k_dst, k.transpose(0, 1), cos, sin)
+    if partial:
+        rd = 2 * cos.shape[-1]
+        for dst, src in ((q_dst, q.transpose(0, 1)), (k_dst, k.transpose(0, 1))):
+            _rope_torch(dst[..., :rd], src[..., :rd], cos, sin)
+            dst[..., rd:].copy_(src[..., rd:])
+    else:
+        rope_into(q_dst, q.transpose(0, 1), cos, sin)
+        rope_into(k_dst, k.transpose(0, 1), cos, sin)
     v_dst.copy_(qkv[:, qw + kw :].view(n, kv_heads, hd).transpose(0, 1))
 
 
