@@ -83,14 +83,16 @@ def test_engine_with_auto_equals_the_explicit_dtype_it_resolved_to(default_model
     want, reason = resolve_dtype("auto", "cpu", cpu_flags())
     prompt, allowed = "Is the sky blue on a clear day? Answer:", [" Yes", " No", " Maybe"]
     with caplog.at_level(logging.INFO, logger="prefillonly"):
-        with Engine(EngineConfig(threads=2, cache_budget_bytes=0)) as auto:
+        # one attention backend for both: "auto" times cpu_flash against sdpa at start, and on a host
+        # where they run close the two engines may pick differently (equal within 1e-5, not exactly)
+        with Engine(EngineConfig(threads=2, cache_budget_bytes=0, attention_backend="sdpa")) as auto:
             got = auto.score(prompt, allowed, top_k=3)
             stats = auto.stats()
     assert auto.dtype == EngineConfig(dtype=want).torch_dtype
     assert (stats.dtype, stats.dtype_reason) == (want, reason)
     assert engine_info_labels(stats) == {"dtype": want, "dtype_reason": reason}
     assert f"dtype {want} ({reason})" in [r.getMessage() for r in caplog.records if r.name == "prefillonly"]
-    with Engine(EngineConfig(dtype=want, threads=2, cache_budget_bytes=0)) as explicit:
+    with Engine(EngineConfig(dtype=want, threads=2, cache_budget_bytes=0, attention_backend="sdpa")) as explicit:
         ref = explicit.score(prompt, allowed, top_k=3)
         assert explicit.stats().dtype_reason == "explicit"
     assert [(t.id, t.logprob, t.prob) for t in got.tokens] == [(t.id, t.logprob, t.prob) for t in ref.tokens]  # exactly
