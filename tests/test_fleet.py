@@ -38,7 +38,10 @@ def fleet(tmp_path_factory, small_served_model):
                                  dtype="float32", threads="1",
                                  cache_budget_bytes=str(USERS_PER_REPLICA * (PROFILE // BLOCK) * block))
     logs = tmp_path_factory.mktemp("fleet-logs")
-    with LocalFleet(repo, replicas=3, log_dir=logs).start() as f:
+    # Maglev: on a failover Envoy's ring hash also moves ~13% of the survivors' users to the other
+    # survivor (cold there), which made the survivors' hit check below fail now and then; Maglev
+    # moved none in the same runs (making it the fleets' default is the next issue's work)
+    with LocalFleet(repo, replicas=3, log_dir=logs, affinity_lb="MAGLEV").start() as f:
         yield f
 
 
