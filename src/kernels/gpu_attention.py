@@ -100,18 +100,23 @@ def _prefill_attention_kernel(
 
     seg = kv_start + offs_n0
     hi = tl.minimum(ctx, first_pos + (pid_m + 1) * BLOCK_M)
-    if WINDOW:
-        # only keys (pos - window, pos] of some query of the tile: from its first query's first key,
-        # in BLOCK_N steps, every tile masked (paged prefix first, then the workspace)
-        lo = tl.maximum(first_pos + pid_m * BLOCK_M - window + 1, 0)
-        for n0 in range(lo, tl.minimum(paged, hi), BLOCK_N):
-            offs_n = n0 + offs_n0
-            kmask = offs_n < paged
-            slot = tl.load(Table + seq * s_tb + offs_n // PAGE, mask=kmask, other=0)
-            row = slot[:, None] * s_ps + kvh * s_ph + (offs_n % PAGE)[:, None] * s_pt + offs_d[None, :]
-            visible = kmask[None, :] & (pos_m[:, None] - offs_n[None, :] < window)
-            m_i, l_i, acc = _attend_tile(q, KP + row, VP + row, kmask, visible, m_i, l_i, acc, qk_scale, softcap,
-                                         MASKED=True, SOFTCAP=SOFTCAP)
+    # with a window only keys (pos - window, pos] of some query of the tile: from its first query's
+    # first key on (every prefix key is before every query, so the window is the only mask there)
+    lo = tl.maximum(first_pos + pid_m * BLOCK_M - window + 1, 0) if WINDOW else 0
+
+    # 1. the paged prefix [lo, paged): every query sees all of it, within its window
+    for n0 in range(lo, paged, BLOCK_N):
+        offs_n = n0 + offs_n0
+        kmask = offs_n < paged
+        slot = tl.load(Table + seq * s_tb + offs_n // PAGE, mask=kmask, other=0)
+        row = slot[:, None] * s_ps + kvh * s_ph + (offs_n % PAGE)[:, None] * s_pt + offs_d[None, :]
+        visible = kmask[None, :]
+        if WINDOW:
+            visible = visible & (pos_m[:, None] - offs_n[None, :] < window)
+        m_i, l_i, acc = _attend_tile(q, KP + row, VP + row, kmask, visible, m_i, l_i, acc, qk_scale, softcap,
+                                     MASKED=True, SOFTCAP=SOFTCAP)
+
+    if WINDOW:  # 2. the workspace keys in the window: every tile masked (the window's edge moves per query)
         for n0 in range(tl.maximum(lo, paged), hi, BLOCK_N):
             offs_n = n0 + offs_n0
             kmask = offs_n < hi
@@ -121,15 +126,6 @@ def _prefill_attention_kernel(
             m_i, l_i, acc = _attend_tile(q, K + row, V + row, kmask, visible, m_i, l_i, acc, qk_scale, softcap,
                                          MASKED=True, SOFTCAP=SOFTCAP)
     else:
-        # 1. the paged prefix [0, paged): every query sees all of it
-        for n0 in range(0, paged, BLOCK_N):
-            offs_n = n0 + offs_n0
-            kmask = offs_n < paged
-            slot = tl.load(Table + seq * s_tb + offs_n // PAGE, mask=kmask, other=0)
-            row = slot[:, None] * s_ps + kvh * s_ph + (offs_n % PAGE)[:, None] * s_pt + offs_d[None, :]
-            m_i, l_i, acc = _attend_tile(q, KP + row, VP + row, kmask, kmask[None, :], m_i, l_i, acc, qk_scale, softcap,
-                                         MASKED=True, SOFTCAP=SOFTCAP)
-
         # 2. the workspace keys [paged, ctx): unmasked while below the tile's first query, then causal
         diag = tl.minimum(first_pos + pid_m * BLOCK_M + 1, ctx)  # keys < diag are visible to every query here
         n_full = paged + ((diag - paged) // BLOCK_N) * BLOCK_N
