@@ -7,8 +7,8 @@
         --configmap prefillonly-envoy --namespace prefillonly > deploy/kubernetes/envoy-configmap.yaml
 
 Routing (--routing, default affinity): requests with the x-prefillonly-user header are hashed on
-it (--lb RING_HASH or MAGLEV, bounded by --hash-balance-factor percent of the mean load), the rest
-go to the least-loaded replica; see src/serving/host/envoy_config.py for retries, health checks and
+it (--lb MAGLEV, the default, or RING_HASH; bounded by --hash-balance-factor percent of the mean
+load), the rest go to the least-loaded replica; see src/serving/host/envoy_config.py for retries, health checks and
 outlier detection. The config is checked with the real `envoy --mode validate` unless --no-validate.
 """
 
@@ -54,7 +54,9 @@ def build(argv=None) -> tuple[dict, argparse.Namespace]:
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--admin-port", type=int, default=9901, help="Envoy's admin port (always bound to 127.0.0.1)")
     p.add_argument("--routing", choices=ROUTINGS, default="affinity")
-    p.add_argument("--lb", choices=AFFINITY_LB, default="RING_HASH")
+    p.add_argument("--lb", choices=AFFINITY_LB, default=AFFINITY_LB[0],
+                   help="consistent hashing of the user header (default MAGLEV: a replica lost or added moves almost "
+                        "no user between the others; RING_HASH moves ~8%% of all users between them)")
     p.add_argument("--hash-balance-factor", type=int, default=DEFAULT_HASH_BALANCE_FACTOR)
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
     p.add_argument("--configmap", metavar="NAME", help="print a Kubernetes ConfigMap of this name instead of the JSON")

@@ -85,7 +85,7 @@ def test_the_committed_envoy_configmap_is_what_the_generator_makes_and_envoy_acc
     config = json.loads(committed["data"]["envoy.json"])
     validate_config(config)
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
-    assert clusters["triton_http_affinity"]["type"] == "STRICT_DNS" and clusters["triton_http_affinity"]["lb_policy"] == "RING_HASH"
+    assert clusters["triton_http_affinity"]["type"] == "STRICT_DNS" and clusters["triton_http_affinity"]["lb_policy"] == "MAGLEV"
     routes = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]
     first = routes["virtual_hosts"][0]["routes"][0]
     assert first["match"]["headers"][0]["name"] == USER_HEADER

