@@ -12,7 +12,7 @@ cache large enough for every profile):
 2. The fleet's saturated rate: the whole trace offered at once through Envoy (affinity),
    throughput = requests / makespan.
 3. Open-loop Poisson load at 0.8x that rate, the same arrivals for each routing policy in turn
-   (Envoy restarted with that policy's config in between): affinity (ring hash on
+   (Envoy restarted with that policy's config in between): affinity (Maglev on
    x-prefillonly-user, bounded load 1.5x the mean: the default), affinity with a 3x bound,
    least request, round robin; throughput, mean / P99
    latency, the fleet's hit rate (cached tokens / prompt tokens as the replicas report them) and

@@ -3,12 +3,21 @@
     with LocalFleet("model_repository", replicas=3).start() as fleet:
         ... clients use fleet.http_url / fleet.grpc_url, with the x-prefillonly-user header ...
         fleet.replicas[1].kill()   # Envoy takes it out of rotation; its users move to the others
+        fleet.add_replica()        # a new replica joins the running front door
 
 Why one engine per tritonserver (and not several model instances in one server): Triton hands a
 request to whichever instance of a model is free, and a decoupled Python model has no say in it,
 so N instances in one server would split every user's requests, and with them every user's
 cached prefix, across N caches. A replica is therefore one tritonserver, one device, one engine,
 one prefix cache, and routing happens in front of the servers, in Envoy (envoy.py).
+
+Membership is live: Envoy reads the replicas from files it watches (FrontDoor.live_endpoints), so
+add_replica() and remove_replica() change a running fleet, as a Kubernetes scale-up or -down
+changes the DNS records Envoy resolves. A replica that dies on its own (a crash, an OOM kill) is
+reaped within `reap_interval_s`: its process collected (no zombie), what is left of its process
+group (Triton's Python stubs, which outlive their server) killed, its shared memory removed, and
+it is taken out of Envoy's endpoints (health checks would take it out of rotation anyway, a few
+seconds later).
 
 GPU pinning, one way everywhere: a replica sees exactly one GPU through CUDA_VISIBLE_DEVICES and
 its model's `device` parameter is "cuda" (deploy/kubernetes does the same with one
@@ -20,6 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
+import threading
 from pathlib import Path
 
 from .envoy import EnvoyProxy
@@ -30,8 +41,8 @@ from .triton_server import TritonServer
 class LocalFleet:
     def __init__(self, model_repository: str | os.PathLike, replicas: int = 3, *, routing: str = "affinity",
                  gpus: list[int] | None = None, log_dir: str | os.PathLike | None = None, ready_timeout: float = 300.0,
-                 **front_options):
-        """front_options go to FrontDoor (http_port, grpc_port, hash_balance_factor, ...)."""
+                 reap_interval_s: float = 0.5, **front_options):
+        """front_options go to FrontDoor (http_port, grpc_port, affinity_lb, hash_balance_factor, ...)."""
         if replicas < 1:
             raise ValueError(f"a fleet needs at least one replica, not {replicas}")
         if gpus is not None and len(gpus) != replicas:
@@ -40,35 +51,106 @@ class LocalFleet:
         self.count, self.routing, self.gpus = replicas, routing, gpus
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.ready_timeout = ready_timeout
+        self.reap_interval_s = reap_interval_s
         self.front_options = front_options
-        self.replicas: list[TritonServer] = []
+        self.replicas: list[TritonServer] = []  # every replica ever started, by index (the dead ones too)
+        self.members: list[int] = []  # indices of the replicas in Envoy's endpoints
+        self.reaped: dict[int, int] = {}  # index -> exit status of each replica that died on its own
         self.proxy: EnvoyProxy | None = None
+        self._lock = threading.RLock()
+        self._stopping = threading.Event()
+        self._reaper: threading.Thread | None = None
 
     def _log(self, name: str) -> Path | None:
         return self.log_dir / f"{name}.log" if self.log_dir is not None else None
+
+    def _launch(self, gpu: int | None) -> TritonServer:
+        env = dict(os.environ)
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        server = TritonServer(env=env)
+        self.replicas.append(server)
+        return server.start(self.model_repository, log_path=self._log(f"replica{len(self.replicas) - 1}"))
 
     def start(self) -> "LocalFleet":
         """Start every replica (in parallel: each loads its engine), wait until all are ready, then
         Envoy in front; on any failure everything started is stopped and the error raised."""
         try:
             for i in range(self.count):
-                env = dict(os.environ)
-                if self.gpus is not None:
-                    env["CUDA_VISIBLE_DEVICES"] = str(self.gpus[i])
-                self.replicas.append(TritonServer(env=env).start(self.model_repository, log_path=self._log(f"replica{i}")))
+                self._launch(self.gpus[i] if self.gpus is not None else None)
             for r in self.replicas:
                 r.wait_ready(self.ready_timeout)
-            upstreams = [Upstream("127.0.0.1", r.http_port, r.grpc_port) for r in self.replicas]
+            self.members = list(range(self.count))
             # free ports unless the caller chose them
-            front = FrontDoor(upstreams, routing=self.routing, **{"http_port": 0, "grpc_port": 0, **self.front_options})
+            front = FrontDoor(self._upstreams(), routing=self.routing, live_endpoints=True, fleet=True,
+                              **{"http_port": 0, "grpc_port": 0, **self.front_options})
             self.proxy = EnvoyProxy(front, log_path=self._log("envoy")).start().wait_ready()
+            self._reaper = threading.Thread(target=self._reap_loop, name="fleet-reaper", daemon=True)
+            self._reaper.start()
             return self
         except BaseException:
             self.stop()
             raise
 
+    def _upstreams(self) -> list[Upstream]:
+        return [Upstream("127.0.0.1", self.replicas[i].http_port, self.replicas[i].grpc_port) for i in self.members]
+
+    def _set_members(self, members: list[int]) -> None:
+        self.members = members
+        self.proxy.set_upstreams(self._upstreams())
+
+    def wait_for_members(self, timeout: float = 30.0) -> None:
+        """Until Envoy routes to exactly the current members (each healthy)."""
+        with self._lock:
+            wanted = {f"127.0.0.1:{self.replicas[i].http_port}" for i in self.members}
+        self.proxy.wait_for_hosts(wanted, timeout)
+
+    def add_replica(self, gpu: int | None = None) -> int:
+        """Start one more replica, wait until it is ready, add it to Envoy's endpoints and wait
+        until Envoy routes to it; its index. About 1/N of the users move to it (their next request
+        is cold there): see envoy_config's "Which users move"."""
+        server = self._launch(gpu)
+        try:
+            server.wait_ready(self.ready_timeout)
+        except BaseException:
+            server.stop(timeout=10)
+            raise
+        with self._lock:
+            index = self.replicas.index(server)
+            self._set_members(self.members + [index])
+        self.wait_for_members()
+        return index
+
+    def remove_replica(self, index: int, drain_timeout: float = 30.0) -> int | None:
+        """Scale down gracefully: out of Envoy's endpoints first (its users move on their next
+        request), then the server drained and stopped; its exit status."""
+        with self._lock:
+            if index not in self.members:
+                raise ValueError(f"replica {index} is not in the fleet (members {self.members})")
+            self._set_members([i for i in self.members if i != index])
+        self.wait_for_members()
+        return self.replicas[index].stop(timeout=drain_timeout)
+
+    def _reap_loop(self) -> None:
+        while not self._stopping.wait(self.reap_interval_s):
+            with self._lock:
+                for i in list(self.members):
+                    status = self.replicas[i].poll()  # collects the exit status: no zombie
+                    if status is None:
+                        continue
+                    print(f"fleet: replica {i} exited with status {status}; reaping it and taking it out of Envoy's endpoints",
+                          file=sys.stderr, flush=True)
+                    self.reaped[i] = status
+                    with contextlib.suppress(Exception):
+                        self.replicas[i].stop(timeout=5)  # kills its group's leftovers (the stubs)
+                    with contextlib.suppress(Exception):
+                        self._set_members([m for m in self.members if m != i])
+
     def stop(self) -> None:
         """Envoy first (no new requests), then every replica. Idempotent."""
+        self._stopping.set()
+        if self._reaper is not None:
+            self._reaper.join(10)
         if self.proxy is not None:
             with contextlib.suppress(Exception):
                 self.proxy.stop()
