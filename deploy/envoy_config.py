@@ -56,7 +56,7 @@ def build(argv=None) -> tuple[dict, argparse.Namespace]:
     p.add_argument("--routing", choices=ROUTINGS, default="affinity")
     p.add_argument("--lb", choices=AFFINITY_LB, default=AFFINITY_LB[0],
                    help="consistent hashing of the user header (default MAGLEV: a replica lost or added moves almost "
-                        "no user between the others; RING_HASH moves ~8%% of all users between them)")
+                        "no user between the others; RING_HASH moves 6-10%% of all users between them)")
     p.add_argument("--hash-balance-factor", type=int, default=DEFAULT_HASH_BALANCE_FACTOR)
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
     p.add_argument("--configmap", metavar="NAME", help="print a Kubernetes ConfigMap of this name instead of the JSON")

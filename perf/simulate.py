@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
-import bisect
 import dataclasses
 import hashlib
 import heapq
@@ -253,48 +252,61 @@ def engine_of(user, engines: int) -> int:
 
 
 # -- routing across engines (the fleet's Envoy policies) -----------------------------------------
-ROUTINGS = ("user_hash", "ring_hash_bounded", "least_request", "random")
+ROUTINGS = ("user_hash", "maglev_bounded", "ring_hash_bounded", "least_request", "random")
+HASHED = {"maglev_bounded": "MAGLEV", "ring_hash_bounded": "RING_HASH"}  # -> Envoy's lb_policy
+
+
+def engine_key(engine: int) -> str:
+    """The address an engine has in the simulated fleet: Envoy hashes a replica by its address."""
+    return f"10.0.{engine // 256}.{engine % 256}:8000"
 
 
 class Router:
     """Which engine a request goes to, given every engine's outstanding requests (waiting + running).
 
     user_hash          hash(user) % engines, never moved (the paper's user_id % N)
-    ring_hash_bounded  Envoy's ring_hash with hash_balance_factor: the user's point on a ring of
-                       `vnodes` points per engine, then clockwise to the first engine whose
-                       load + 1 <= ceil(factor * (total load + 1) / engines)
+    maglev_bounded     Envoy's MAGLEV with hash_balance_factor (the fleet's default), and
+    ring_hash_bounded  Envoy's RING_HASH with it: perf/envoy_hashing.py rebuilds Envoy's own table
+                       over the engines' addresses, and when the user's engine is above the bound
+                       (active > ceil(factor x (total active + 1) / engines)) probes the others in
+                       Envoy's seeded order; what moves when engines leave or join (set_engines)
+                       is therefore what the real Envoy moves (perf/bench_placement.py)
     least_request      Envoy's LEAST_REQUEST: the less loaded of two engines drawn at random
     random             uniform
     """
 
-    def __init__(self, routing: str, engines: int, rng: np.random.Generator, factor: float = 1.5, vnodes: int = 100):
+    def __init__(self, routing: str, engines: int, rng: np.random.Generator, factor: float = 1.5):
         if routing not in ROUTINGS:
             raise ValueError(f"routing {routing!r} unknown; choose one of {', '.join(ROUTINGS)}")
         self.routing, self.engines, self.rng, self.factor = routing, engines, rng, factor
         self._sticky: dict = {}
-        if routing == "ring_hash_bounded":
-            points = sorted((_hash64(f"engine{e}-{v}"), e) for e in range(engines) for v in range(vnodes))
-            self._ring_keys = [k for k, _ in points]
-            self._ring_engines = [e for _, e in points]
+        self.set_engines(list(range(engines)))
+
+    def set_engines(self, members: list[int]) -> None:
+        """The engines in rotation from now on (an engine lost, or one added); hashed routings
+        rebuild Envoy's table over them. user_hash stays fixed (it is the paper's static rule)."""
+        from perf.envoy_hashing import EnvoyPlacement
+
+        self.members = list(members)
+        if self.routing in HASHED:
+            self._keys = [engine_key(e) for e in self.members]
+            self._placement = EnvoyPlacement(HASHED[self.routing], self._keys, round(100 * self.factor))
+            self._engine_of_key = dict(zip(self._keys, self.members))
 
     def route(self, user, loads: list[int]) -> int:
-        n = self.engines
-        if n == 1:
-            return 0
+        members = self.members
+        if len(members) == 1:
+            return members[0]
         if self.routing == "user_hash":
-            return self._sticky.setdefault(user, engine_of(user, n))
+            return self._sticky.setdefault(user, engine_of(user, self.engines))
         if self.routing == "random":
-            return int(self.rng.integers(n))
+            return members[int(self.rng.integers(len(members)))]
         if self.routing == "least_request":
-            a, b = self.rng.choice(n, size=2, replace=False)
-            return int(a if loads[a] <= loads[b] else b)
-        bound = math.ceil(self.factor * (sum(loads) + 1) / n)
-        start = bisect.bisect(self._ring_keys, _hash64(str(user))) % len(self._ring_keys)
-        for step in range(len(self._ring_keys)):
-            e = self._ring_engines[(start + step) % len(self._ring_keys)]
-            if loads[e] + 1 <= bound:
-                return e
-        return self._ring_engines[start]
+            i, j = self.rng.choice(len(members), size=2, replace=False)  # indices: choice(list) converts it every call
+            a, b = members[i], members[j]
+            return a if loads[a] <= loads[b] else b
+        active = dict(zip(self._keys, (loads[e] for e in members))) if any(loads[e] for e in members) else None
+        return self._engine_of_key[self._placement.host_of(str(user), active)]
 
 
 def _hash64(text: str) -> int:
@@ -407,7 +419,7 @@ class SimConfig:
     max_batch_tokens: int | None = None  # a step's uncached-token budget; None = the engine's default on the cost
     # model's device (DEFAULT_MAX_BATCH_TOKENS: 8192 gpu, 2048 cpu); 1 = one request per step (unbatched)
     routing: str = "user_hash"  # across engines: see Router
-    hash_balance_factor: float = 1.5  # ring_hash_bounded's bound, as Envoy's hash_balance_factor / 100
+    hash_balance_factor: float = 1.5  # the hashed routings' bound, Envoy's hash_balance_factor / 100
 
 
 @dataclass
@@ -856,7 +868,28 @@ def plot(data: dict, path: Path) -> bool:
 
 # -- the fleet: Envoy's routing policies at paper scale ---------------------------------------------
 FLEET_SECTION = "## Fleet routing simulation"
-FLEET_ROUTINGS = ("ring_hash_bounded", "least_request", "random")
+FLEET_ROUTINGS = ("maglev_bounded", "ring_hash_bounded", "least_request", "random")
+
+
+def routing_moves(routing: str, engines: int, users: list) -> dict:
+    """Through the simulator's Router on an idle fleet: the fraction of `users` whose engine
+    changes when engine engines // 2 leaves (failover) and when engine `engines` joins (scale-up),
+    split as perf/envoy_hashing.moved_fraction splits it (and as perf/bench_placement measures the
+    real Envoy)."""
+    out = {}
+    for event, after in (("failover", [e for e in range(engines) if e != engines // 2]), ("scale-up", list(range(engines + 1)))):
+        router = Router(routing, engines, np.random.default_rng(0))
+        idle = [0] * (engines + 1)
+        before = {u: router.route(u, idle) for u in users}
+        router.set_engines(after)
+        moved = {k: 0 for k in ("forced", "to_new", "between_kept")}
+        for u in users:
+            new = router.route(u, idle)
+            if new != before[u]:
+                moved["forced" if before[u] not in after else "to_new" if new == engines else "between_kept"] += 1
+        out[event] = {k: v / len(users) for k, v in moved.items()}
+        out[event]["moved"] = sum(moved.values()) / len(users)
+    return out
 
 
 def run_fleet(engines: int = 64, users: int = 20_000, posts_per_user: int = 4, cache_gib: float = 16.0, load: float = 0.8,
@@ -880,9 +913,11 @@ def run_fleet(engines: int = 64, users: int = 20_000, posts_per_user: int = 4, c
         runs.append(out)
         bu.log(f"  {routing}: mean {out['mean_latency_s']:.3g} s, P99 {out['p99_latency_s']:.3g} s, hit {out['hit_rate']:.1%}, "
                f"imbalance {out['load_imbalance']:.2f} [{out['sim_wall_s']:.0f} s]")
+    names = sorted({r.user for r in reqs})
+    moves = [{"routing": routing, "engines": n, **routing_moves(routing, n, names)} for routing in HASHED for n in (3, engines)]
     return {"engines": engines, "users": users, "posts_per_user": posts_per_user, "requests": len(reqs), "cache_gib": cache_gib,
             "load": load, "saturated_qps": sat, "block_size": block_size, "cost_formula": cost.describe(),
-            "ideal_hit_rate": 1 - perfect_cache_tokens(work) / work.prompt_tokens, "runs": runs}
+            "ideal_hit_rate": 1 - perfect_cache_tokens(work) / work.prompt_tokens, "runs": runs, "moves": moves}
 
 
 def render_fleet(data: dict) -> str:
@@ -895,6 +930,16 @@ def render_fleet(data: dict) -> str:
     for r in data["runs"]:
         lines.append(f"| {r['routing']} | {r['hit_rate']:.1%} | {_f(r['mean_latency_s'])} | {_f(r['p99_latency_s'])} | "
                      f"{_f(r['throughput_qps'])} | {r['load_imbalance']:.2f} | {r['users_split']:.1%} |")
+    if data.get("moves"):
+        lines += ["", f"Users moved when one engine leaves (failover) or one joins (scale-up), the trace's {data['users']:,} users "
+                  "through the same Router on an idle fleet (Envoy's tables, as perf/bench_placement.py measures them):", "",
+                  "| routing | engines | event | moved | forced (engine gone) | to the new engine | between kept engines |",
+                  "|---|---|---|---|---|---|---|"]
+        for m in data["moves"]:
+            for event in ("failover", "scale-up"):
+                e = m[event]
+                lines.append(f"| {m['routing']} | {m['engines']} | {event} | {e['moved']:.1%} | {e['forced']:.1%} | "
+                             f"{e['to_new']:.1%} | {e['between_kept']:.2%} |")
     return "\n".join(lines) + "\n"
 
 

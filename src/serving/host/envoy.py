@@ -127,7 +127,10 @@ class EnvoyProxy(LoggedProcess):
         seconds with what Envoy has instead."""
         deadline = time.monotonic() + timeout
         while True:
-            clusters = {n: h for n, h in self.cluster_hosts().items() if n.startswith("triton_http")}
+            try:
+                clusters = {n: h for n, h in self.cluster_hosts().items() if n.startswith("triton_http")}
+            except OSError:  # the admin API busy or not up yet: ask again
+                clusters = {}
             if clusters and all({a for a, ok in h.items() if ok} == http_addresses for h in clusters.values()):
                 time.sleep(settle_s)
                 return

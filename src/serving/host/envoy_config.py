@@ -32,9 +32,9 @@ stream already running on a replica that dies is not retried (its client gets UN
 
 Which users move (measured against the real Envoy, perf/RESULTS.md "Fleet placement"; perf/
 envoy_hashing.py rebuilds Envoy's tables exactly): when a replica leaves, its users must move and
-Maglev moves almost nobody else (0.05% of all users on 3 -> 2), while Envoy's ring hash gives each
-host ~1024/N ring points, so a change of N also moves 8-10% of all users between replicas that both
-stayed (12-14% of the survivors' users on 3 -> 2), each to a cold cache. Every replica is hashed
+Maglev moves almost nobody else (0-0.05% of all users on 3 -> 2), while Envoy's ring hash gives each
+host ~1024/N ring points, so a change of N also moves 6-10% of all users between replicas that both
+stayed (11-14% of the survivors' users on 3 -> 2), each to a cold cache. Every replica is hashed
 by one key for all its clusters (its HTTP address, `Upstream.key`, as `envoy.lb` hash_key
 metadata), so a user's HTTP, gRPC and scoring-API requests land on the same replica; replicas
 named by DNS (Kubernetes) are hashed by their resolved address and port, so there a user's HTTP
