@@ -107,19 +107,6 @@ def place(proxy: EnvoyProxy, users: list[str]) -> dict[str, str]:
     return out
 
 
-def _moves(before: dict[str, str], after: dict[str, str], old: set[str], new: set[str]) -> dict:
-    kept = old & new
-    counts = {"forced": 0, "to_new": 0, "between_kept": 0}
-    for u, host in before.items():
-        if after[u] == host:
-            continue
-        counts["forced" if host not in kept else "to_new" if after[u] not in kept else "between_kept"] += 1
-    n = len(before)
-    out = {k: v / n for k, v in counts.items()}
-    out["moved"] = sum(counts.values()) / n
-    return out
-
-
 def run_case(policy: str, replicas: int, event: str, users: list[str]) -> dict:
     stand_ins = [StandIn() for _ in range(replicas)]
     try:
@@ -127,10 +114,9 @@ def run_case(policy: str, replicas: int, event: str, users: list[str]) -> dict:
                           http_port=0, grpc_port=0)
         with EnvoyProxy(front).start() as proxy:
             proxy.wait_ready()
-            hosts = {s.upstream.key for s in stand_ins}
-            proxy.wait_for_hosts(hosts)
-            before = place(proxy, users)
             old_keys = [s.upstream.key for s in stand_ins]
+            proxy.wait_for_hosts(set(old_keys))
+            before = place(proxy, users)
             if event == "failover":
                 victim = stand_ins.pop(len(stand_ins) // 2)
                 victim.close()
@@ -151,8 +137,8 @@ def run_case(policy: str, replicas: int, event: str, users: list[str]) -> dict:
     table_after = eh.build_table(policy, new_keys)
     predicted_after = {u: table_after.primary(eh.request_hash(u)) for u in users}
     agree = sum(before[u] == predicted_before[u] and after[u] == predicted_after[u] for u in users)
-    measured = _moves(before, after, set(old_keys), set(new_keys))
-    model = eh.moved_fraction(policy, old_keys, new_keys, users)
+    measured = eh.classify_moves(before, after, old_keys, new_keys)
+    model = eh.classify_moves(predicted_before, predicted_after, old_keys, new_keys)
     out = {"policy": policy, "replicas": replicas, "event": event, "users": len(users), "converged_s": converged,
            "measured": measured, "model": model, "agreement": agree / len(users)}
     bu.log(f"{policy} {replicas} {event}: moved {measured['moved']:.1%} (forced {measured['forced']:.1%}, to new "

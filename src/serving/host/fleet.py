@@ -82,7 +82,7 @@ class LocalFleet:
                 r.wait_ready(self.ready_timeout)
             self.members = list(range(self.count))
             # free ports unless the caller chose them
-            front = FrontDoor(self._upstreams(), routing=self.routing, live_endpoints=True, fleet=True,
+            front = FrontDoor(self.upstreams, routing=self.routing, live_endpoints=True, fleet=True,
                               **{"http_port": 0, "grpc_port": 0, **self.front_options})
             self.proxy = EnvoyProxy(front, log_path=self._log("envoy")).start().wait_ready()
             self._reaper = threading.Thread(target=self._reap_loop, name="fleet-reaper", daemon=True)
@@ -92,17 +92,19 @@ class LocalFleet:
             self.stop()
             raise
 
-    def _upstreams(self) -> list[Upstream]:
+    @property
+    def upstreams(self) -> list[Upstream]:
+        """The members as Envoy has them (Upstream.key: what it places each by)."""
         return [Upstream("127.0.0.1", self.replicas[i].http_port, self.replicas[i].grpc_port) for i in self.members]
 
     def _set_members(self, members: list[int]) -> None:
         self.members = members
-        self.proxy.set_upstreams(self._upstreams())
+        self.proxy.set_upstreams(self.upstreams)
 
     def wait_for_members(self, timeout: float = 30.0) -> None:
         """Until Envoy routes to exactly the current members (each healthy)."""
         with self._lock:
-            wanted = {f"127.0.0.1:{self.replicas[i].http_port}" for i in self.members}
+            wanted = {u.key for u in self.upstreams}
         self.proxy.wait_for_hosts(wanted, timeout)
 
     def add_replica(self, gpu: int | None = None) -> int:
