@@ -22,6 +22,7 @@ import torch
 from .errors import ConfigError
 from .hardware import resolve_dtype
 from .kernels.attention import BACKENDS
+from .kernels.linear import LINEAR_BACKENDS
 from .paths import default_cache_dir
 from .scheduler.policy import DEFAULT_LAMBDA_TOKENS_PER_S, DEFAULT_MAX_WAITING, POLICIES
 
@@ -53,6 +54,8 @@ class EngineConfig:
     activation_budget_bytes: int | None = None  # one request's transient peak; None = 90% of the memory free at start less the cache's
     threads: int | None = None  # torch intra-op threads (CPU); None = torch's default
     attention_backend: str = "auto"  # one of kernels.attention.BACKENDS: auto | cpu_flash | triton | sdpa | flash_attn
+    linear_backend: str = field(default="auto", metadata={"help": "auto | aten | onednn: the layers' GEMMs (auto: the "
+                                                                   "faster on this CPU, timed at start; aten off CPU)"})
     cache_budget_bytes: int | None = None  # prefix-KV pool; None = 20% of free memory at start; 0 = no cache
     cache_block_size: int = 64  # tokens per cached block (the unit of prefix reuse)
     cache_second_tier_bytes: int = 0  # blocks evicted from the pool go here (host memory); 0 = off
@@ -114,6 +117,9 @@ class EngineConfig:
             raise ConfigError(f"lambda_tokens_per_s must be >= 0, got {self.lambda_tokens_per_s}")
         if self.attention_backend not in BACKENDS:
             raise ConfigError(f"attention_backend {self.attention_backend!r} unknown; choose one of {', '.join(BACKENDS)}")
+        self.linear_backend = str(self.linear_backend).lower()
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise ConfigError(f"linear_backend {self.linear_backend!r} unknown; choose one of {', '.join(LINEAR_BACKENDS)}")
         if self.model is not None and not os.path.isdir(str(self.model)):
             raise ConfigError(f"model folder {self.model!r} does not exist (leave model unset for the default SmolLM2)")
 

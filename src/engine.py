@@ -34,6 +34,7 @@ from .default_model import ensure_default_model
 from .errors import ConfigError, DeadlineExceededError, EngineClosedError, InvalidRequestError, PrefillOnlyError
 from .executor import HybridPrefillExecutor
 from .kernels.attention import AttentionShape, resolve_backend
+from .kernels.linear import resolve_linear_backend
 from .limits import RequestLimits, max_token_bytes
 from .memory import available_memory_bytes
 from .model_spec import ModelSpec
@@ -63,10 +64,12 @@ class Engine:
         self.dtype = config.torch_dtype
         log.info("dtype %s (%s)", config.dtype, config.dtype_reason)  # what dtype="auto" chose here, and why
         weights = ModelWeights.load(self.model_path, self.spec, self.dtype, self.device)
-        self.weight_bytes = weights.nbytes()
         backend = resolve_backend(config.attention_backend, self.device,
                                   AttentionShape(self.dtype, self.spec.head_dim, self.spec.num_heads, self.spec.num_kv_heads))
-        self.executor = executor = HybridPrefillExecutor(self.spec, weights, self.dtype, self.device, backend)
+        # the GEMMs' backend, timed on layer 0's own weights (auto); the executor packs them for it
+        linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype, weights.layers[0].projections())
+        self.executor = executor = HybridPrefillExecutor(self.spec, weights, self.dtype, self.device, backend, linear_backend)
+        self.weight_bytes = weights.nbytes()
         tokenizer = _load_tokenizer(self.model_path)
         self.max_input_len = config.max_input_len or self.spec.context_length
         self.limits = _request_limits(config, self.max_input_len, tokenizer)
@@ -101,11 +104,11 @@ class Engine:
         self._worker = threading.Thread(target=self._serve, name="prefillonly-engine", daemon=True)
         self._worker.start()
         log.info(
-            "engine ready: %s (%s, %d layers) %s on %s, chunk %s, attention %s, max input %d, "
+            "engine ready: %s (%s, %d layers) %s on %s, chunk %s, attention %s, linear %s, max input %d, "
             "prefix cache %.1f MiB in blocks of %d (+%.1f MiB second tier), activation budget %.1f MiB, "
             "scheduling %s, up to %d tokens per step, %.1f s",
             self.model_path, self.spec.architecture, self.spec.num_layers, config.dtype, self.device,
-            config.chunk_size or "none", backend, self.max_input_len,
+            config.chunk_size or "none", backend, linear_backend, self.max_input_len,
             cache_bytes / 2**20, config.cache_block_size, config.cache_second_tier_bytes / 2**20,
             self.activation_budget_bytes / 2**20, config.scheduling_policy, self.max_batch_tokens, time.perf_counter() - t0,
         )
@@ -181,6 +184,7 @@ class Engine:
                 waiting=len(self.scheduler), counters=self.counters.copy(), jct_mean_abs_rel_error=self.jct.mean_abs_relative_error(),
                 tokens_computed=self.executor.tokens_computed, steps=self._steps, recent_steps=list(self._recent_steps),
                 dtype=self.config.dtype, dtype_reason=self.config.dtype_reason, budget_bytes=budget,
+                attention_backend=self.executor.attention_backend, linear_backend=self.executor.linear_backend,
                 cache=copy.copy(self.cache.stats) if self.cache else None,
                 cache_bytes_in_use=self.cache.bytes_in_use() if self.cache else {})
 

@@ -27,8 +27,9 @@ import torch
 
 from .prefix_io import CaptureSink, KVSink, PrefixKV, PrefixSource, Sinks
 from .kernels.ops import add_rms_norm_, rms_norm_needs_scratch, rope_qkv_into, rope_table_dtype
-from .kernels import add_linear_, causal_attention, causal_attention_inplace, gated_activation_into, linear_into, rms_norm_into
+from .kernels import causal_attention, causal_attention_inplace, gated_activation_into, linear, rms_norm_into
 from .kernels.attention import cpu_flash_applies, triton_covers
+from .kernels.linear import allocates_output
 from .model_spec import ModelSpec
 from .rope import RotaryTable
 from .weights import ModelWeights
@@ -111,9 +112,13 @@ class BatchOutput:
 
 
 class HybridPrefillExecutor:
-    def __init__(self, spec: ModelSpec, weights: ModelWeights, dtype: torch.dtype, device: torch.device, attention_backend: str = "sdpa"):
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, dtype: torch.dtype, device: torch.device, attention_backend: str = "sdpa",
+                 linear_backend: str = "aten"):
+        """linear_backend: a concrete kernels.linear backend; the layers' weights are packed for it
+        here (in `weights`, replacing the plain tensors)."""
         self.spec = spec
-        self.weights = weights
+        self.weights = weights.pack_linears(linear_backend)
+        self.linear_backend = linear_backend
         self.dtype = dtype
         self.device = device
         self.attention_backend = attention_backend
@@ -147,7 +152,8 @@ class HybridPrefillExecutor:
         captures = [CaptureSink(*s.capture) if s.capture else None for s in seqs]
         sinks = [Sinks(s.sink, c) if (s.sink is not None or c is not None) else None for s, c in zip(seqs, captures)]
         plan = plan_workspace(spec, batch.new_tokens, chunk_size, self.dtype, batch.prefix_tokens,
-                              fp32_scratch=rms_norm_needs_scratch(self.device, self.dtype, spec.qk_norm))
+                              fp32_scratch=rms_norm_needs_scratch(self.device, self.dtype, spec.qk_norm),
+                              linear_outputs=not allocates_output(self.linear_backend))
         ws = allocate(plan, self.device)
         ids = torch.cat([s.token_ids for s in seqs]) if len(seqs) > 1 else seqs[0].token_ids
         torch.index_select(self.weights.embed, 0, ids.to(self.device), out=ws["hidden"])
@@ -237,7 +243,7 @@ class HybridPrefillExecutor:
         """A. packed rows [c0, c1): norm, fused QKV, (q/k norm), RoPE -> each sequence's Q/K/V."""
         spec, n = self.spec, c1 - c0
         x = rms_norm_into(ws["normed"][:n], ws["hidden"][c0:c1], layer.input_norm, spec.rms_norm_eps, ws["scratch32"][:n, : spec.hidden_size])
-        out = linear_into(ws["qkv"][:n], x, layer.wqkv, layer.bqkv)
+        out = linear(ws["qkv"][:n], x, layer.wqkv, layer.bqkv)  # ws["qkv"] or a new tensor (kernels.linear)
         qk_norm = (layer.q_norm, layer.k_norm, spec.rms_norm_eps) if layer.q_norm is not None else None  # Qwen3
         row = c0
         for i, r0, r1, cos, sin in pieces:
@@ -258,14 +264,17 @@ class HybridPrefillExecutor:
             o[row : row + (r1 - r0)].copy_(attn[i][:, r0:r1].transpose(0, 1))
             row += r1 - r0
         scratch = ws["scratch32"][:n, : spec.hidden_size]
-        proj = linear_into(ws["proj"][:n], ws["o_rows"][:n], layer.wo, layer.bo)
+        # each projection's output is its workspace buffer or, on a backend that allocates them,
+        # a new tensor: dropped as soon as it is read, so that one is alive at a time (memory.py)
+        proj = linear(ws["proj"][:n], ws["o_rows"][:n], layer.wo, layer.bo)
         if layer.attn_out_norm is not None:
             rms_norm_into(proj, proj, layer.attn_out_norm, spec.rms_norm_eps, scratch)
         x = add_rms_norm_(h, proj, layer.post_norm, spec.rms_norm_eps, ws["normed"][:n], scratch)
-        act = gated_activation_into(ws["act"][:n], linear_into(ws["gate_up"][:n], x, layer.w_gate_up, layer.b_gate_up),
-                                    spec.activation)
-        if layer.mlp_out_norm is None:
-            add_linear_(h, act, layer.w_down, layer.b_down, ws["proj"][:n])
-        else:
-            down = linear_into(ws["proj"][:n], act, layer.w_down, layer.b_down)
-            h.add_(rms_norm_into(down, down, layer.mlp_out_norm, spec.rms_norm_eps, scratch))
+        del proj
+        gate_up = linear(ws["gate_up"][:n], x, layer.w_gate_up, layer.b_gate_up)
+        act = gated_activation_into(ws["act"][:n], gate_up, spec.activation)
+        del gate_up
+        down = linear(ws["proj"][:n], act, layer.w_down, layer.b_down)
+        if layer.mlp_out_norm is not None:
+            rms_norm_into(down, down, layer.mlp_out_norm, spec.rms_norm_eps, scratch)
+        h.add_(down)

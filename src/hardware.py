@@ -48,3 +48,23 @@ def resolve_dtype(requested: str, device: str, flags: Iterable[str] | None = Non
         return "bfloat16", f"auto: bfloat16 (CPU has {' and '.join(native)}: native bf16 dot product)"
     return "float32", (f"auto: float32 (CPU lacks {' and '.join(BF16_DOT_FLAGS)}: "
                        "bf16 has no native dot product here)")
+
+
+# oneDNN's ISA names from AVX512_CORE_BF16 up (its ONEDNN_MAX_CPU_ISA values): a cap at one of
+# these still lets it use the CPU's bf16 instructions; a lower cap makes it emulate bf16.
+_ONEDNN_BF16_ISAS = frozenset({"AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX10_1_512", "AVX512_CORE_AMX",
+                               "AVX10_1_512_AMX", "AVX512_CORE_AMX_FP16", "AVX10_1_512_AMX_FP16", "AVX10_2_512",
+                               "AVX10_2_512_AMX_2", "ALL", "DEFAULT", ""})
+
+
+def onednn_native_bf16(flags: Iterable[str] | None = None, environ: dict | None = None) -> bool:
+    """Whether oneDNN runs bf16 matmuls on the CPU's bf16 dot product here: the CPU has one
+    (BF16_DOT_FLAGS) and no ONEDNN_MAX_CPU_ISA (or its old name DNNL_MAX_CPU_ISA) caps oneDNN
+    below AVX512_CORE_BF16. Where it is False oneDNN emulates bf16 through float32 buffers
+    (kernels.linear.call_scratch_bytes says how large)."""
+    import os
+
+    env = os.environ if environ is None else environ
+    have = set(cpu_flags() if flags is None else flags)
+    cap = (env.get("ONEDNN_MAX_CPU_ISA") or env.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    return any(f in have for f in BF16_DOT_FLAGS) and cap in _ONEDNN_BF16_ISAS

@@ -12,6 +12,7 @@ import torch
 from .kernels.attention import (INPLACE_QUERY_BLOCK, banded_scratch_bytes, cpu_flash_covers, cpu_flash_scratch_bytes,
                                 triton_covers)
 from .model_spec import ModelSpec
+from .kernels.linear import allocates_output, call_scratch_bytes
 from .kernels.ops import rms_norm_needs_scratch
 from .workspace import plan_workspace
 
@@ -46,36 +47,40 @@ _INPLACE_FIXED_BYTES = 8 << 20
 
 def predict_peak_bytes(spec: ModelSpec, new_tokens: int, chunk_size: int | None, dtype: torch.dtype, prefix_tokens: int = 0,
                        captured_tokens: int = 0, inplace_attention: bool = False, attention_backend: str = "sdpa",
-                       device: torch.device | str = "cpu") -> int:
+                       device: torch.device | str = "cpu", linear_backend: str = "aten") -> int:
     """Peak extra bytes of a forward over `new_tokens` after `prefix_tokens` of given K/V: the sum
     of peak_components (same arguments)."""
     return predict_batch_peak_bytes(spec, [(new_tokens, prefix_tokens)], chunk_size, dtype, captured_tokens,
-                                    inplace_attention, attention_backend, device)
+                                    inplace_attention, attention_backend, device, linear_backend)
 
 
 def predict_batch_peak_bytes(spec: ModelSpec, members: list[tuple[int, int]], chunk_size: int | None, dtype: torch.dtype,
                              captured_tokens: int = 0, inplace_attention: bool = False, attention_backend: str = "sdpa",
-                             device: torch.device | str = "cpu") -> int:
+                             device: torch.device | str = "cpu", linear_backend: str = "aten") -> int:
     """Peak extra bytes of one ForwardBatch of `members` = [(new tokens, prefix tokens)]."""
     return sum(batch_peak_components(spec, members, chunk_size, dtype, captured_tokens, inplace_attention,
-                                     attention_backend, device).values())
+                                     attention_backend, device, linear_backend).values())
 
 
 def peak_components(spec: ModelSpec, new_tokens: int, chunk_size: int | None, dtype: torch.dtype, prefix_tokens: int = 0,
                     captured_tokens: int = 0, inplace_attention: bool = False, attention_backend: str = "sdpa",
-                    device: torch.device | str = "cpu") -> dict[str, int]:
+                    device: torch.device | str = "cpu", linear_backend: str = "aten") -> dict[str, int]:
     """batch_peak_components of a batch of one."""
     return batch_peak_components(spec, [(new_tokens, prefix_tokens)], chunk_size, dtype, captured_tokens,
-                                 inplace_attention, attention_backend, device)
+                                 inplace_attention, attention_backend, device, linear_backend)
 
 
 def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk_size: int | None, dtype: torch.dtype,
                           captured_tokens: int = 0, inplace_attention: bool = False, attention_backend: str = "sdpa",
-                          device: torch.device | str = "cpu") -> dict[str, int]:
+                          device: torch.device | str = "cpu", linear_backend: str = "aten") -> dict[str, int]:
     """The prediction by part, in bytes, for a forward over B = len(members) sequences packed
     row after row (executor.ForwardBatch; a single request is a batch of one):
 
     workspace  the batch's buffers (exact: the executor allocates this plan);
+    linear     the projections' per-call allocations, the largest alive at a time: their outputs
+               where the linear backend allocates them (kernels.linear.allocates_output; the
+               workspace then plans none) and the library's own buffers (kernels.linear.
+               call_scratch_bytes: float32 copies of the output where oneDNN emulates bf16);
     attention  attention's output and temporaries (for the compiled CPU kernel, which writes over
                Q: its scratch and packed V, as it reports them, one call at a time; for the Triton kernel,
                which writes over Q with no scratch: none; for SDPA the measured estimate above,
@@ -96,7 +101,8 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
     b = len(members)
     device = torch.device(device)
     plan = plan_workspace(spec, s, chunk_size, dtype, sum(p for _, p in members),
-                          fp32_scratch=rms_norm_needs_scratch(device, dtype, spec.qk_norm))
+                          fp32_scratch=rms_norm_needs_scratch(device, dtype, spec.qk_norm),
+                          linear_outputs=not allocates_output(linear_backend))
     in_place_kernel = triton_covers(attention_backend, device, dtype, spec.head_dim)
     if in_place_kernel:  # the Triton kernel writes over Q and allocates nothing
         attention = 0
@@ -112,6 +118,7 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
     last_rows = b * (spec.hidden_size * 2 * e + spec.vocab_size * (e + 4)) if b > 1 else spec.vocab_size * (e + 4)
     return dict(
         workspace=plan.nbytes(),
+        linear=_linear_call_bytes(spec, plan.chunk, b, dtype, device, linear_backend),
         attention=attention,
         captured=e * 2 * captured_tokens * spec.kv_width * spec.num_layers,
         prefix_gather=0 if in_place_kernel else e * 2 * max(p for _, p in members) * spec.kv_width,
@@ -121,6 +128,17 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
         unseen=UNSEEN_BYTES,
     )
 
+
+
+def _linear_call_bytes(spec: ModelSpec, chunk: int, last_rows: int, dtype: torch.dtype, device: torch.device,
+                       backend: str) -> int:
+    """The largest of the projections' calls over one chunk (and the LM head's over the last
+    rows, after the layers): its output if the backend allocates it, plus the library's buffers."""
+    e = torch.tensor([], dtype=dtype).element_size()
+    own = e * chunk if allocates_output(backend) else 0
+    calls = [call_scratch_bytes(chunk, n, dtype, device) + own * n
+             for n in (spec.qkv_width, spec.hidden_size, 2 * spec.intermediate_size)]
+    return max(calls + [call_scratch_bytes(last_rows, spec.vocab_size, dtype, device)])
 
 
 def _torch_attention_bytes(spec: ModelSpec, members: list[tuple[int, int]], e: int, window: int, inplace: bool) -> int:

@@ -22,6 +22,7 @@ import torch
 
 from .config import DTYPES
 from .kernels.attention import BACKENDS, resolve_backend
+from .kernels.linear import LINEAR_BACKENDS, resolve_linear_backend
 from .memory import PeakMemoryMeter, batch_peak_components
 from .model_spec import ModelSpec
 
@@ -72,10 +73,11 @@ def measure(args) -> dict:
     chunk = args.chunk_size or None
     members = [(len(part), 0) for part in split_members(ids, args.members)]
     parts = (batch_peak_components(spec, members, chunk, dtype, inplace_attention=args.inplace_attention,
-                                   attention_backend=args.backend) if args.system == "prefillonly" else None)
+                                   attention_backend=args.backend, linear_backend=args.linear)
+             if args.system == "prefillonly" else None)
     predicted = sum(parts.values()) if parts else None
     return dict(system=args.system, tokens=args.tokens, members=args.members, chunk_size=chunk, dtype=args.dtype,
-                inplace_attention=args.inplace_attention, attention_backend=args.backend, measured_bytes=measured,
+                inplace_attention=args.inplace_attention, attention_backend=args.backend, linear_backend=args.linear, measured_bytes=measured,
                 predicted_bytes=predicted, predicted_parts=parts, heap_trimmed=heap_trimmed, mmap_pinned=mmap_pinned, small_forward_bytes=small_forward, bytes_per_token=measured / args.tokens, seconds=seconds)
 
 
@@ -132,7 +134,8 @@ def _prefillonly_runner(args, spec, dtype, device):
         weights = ModelWeights.random(spec, dtype, device)
     else:
         weights = ModelWeights.load(args.model, spec, dtype, device)
-    executor = HybridPrefillExecutor(spec, weights, dtype, device, args.backend)
+    args.linear = resolve_linear_backend(args.linear_backend, device, dtype, weights.layers[0].projections())
+    executor = HybridPrefillExecutor(spec, weights, dtype, device, args.backend, args.linear)
     if args.members > 1:
         return lambda ids: executor.forward_batch(ForwardBatch([Sequence(x) for x in split_members(ids, args.members)]),
                                                   args.chunk_size or None, args.inplace_attention)
@@ -167,8 +170,10 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--inplace-attention", action="store_true", help="write attention over Q block by block (CPU)")
     p.add_argument("--attention-backend", default="auto", choices=BACKENDS, help="attention backend (auto: as the engine picks)")
+    p.add_argument("--linear-backend", default="auto", choices=LINEAR_BACKENDS, help="linear backend (auto: as the engine picks)")
     p.add_argument("--members", type=int, default=1, help="run the tokens as one step of this many sequences (prefillonly)")
     args = p.parse_args(argv)
+    args.linear = None  # resolved with the weights (prefillonly)
     args.backend = resolve_backend(args.attention_backend, torch.device("cpu")) if args.system == "prefillonly" else None
     if not (args.model or args.random_config):
         from .paths import default_cache_dir

@@ -68,7 +68,7 @@ class PrefillRunner:
     def predict_peak_bytes(self, members: list[tuple[int, int]], captured: int = 0, inplace_attention: bool = False) -> int:
         """Predicted peak of one forward over `members` = [(new tokens, prefix tokens)]."""
         return predict_batch_peak_bytes(self.spec, members, self.chunk_size, self.dtype, captured, inplace_attention,
-                                        self.executor.attention_backend, self.device)
+                                        self.executor.attention_backend, self.device, self.executor.linear_backend)
 
     def fits(self, members: list[TokenSplit]) -> bool:
         """Whether a step of `members` fits the activation budget with attention out of place

@@ -50,6 +50,8 @@ class EngineStats:
     dtype: str
     dtype_reason: str  # why `dtype` was chosen (EngineConfig.dtype_reason)
     budget_bytes: dict[str, int]  # weights, activation, cache_tier1[, cache_tier2]
+    attention_backend: str = ""  # what the engine attends with (attention_backend "auto" resolved at start)
+    linear_backend: str = ""  # what its GEMMs run on (linear_backend "auto" resolved at start)
     cache: CacheStats | None = None  # the prefix cache's counters (a copy); None without a cache
     cache_bytes_in_use: dict[int, int] = field(default_factory=dict)  # tier -> bytes
 

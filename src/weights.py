@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import ConfigError
+from .kernels.linear import pack, weight_nbytes
 from .model_spec import ModelSpec
 
 
@@ -22,9 +23,15 @@ from .model_spec import ModelSpec
 NORM_DTYPE = torch.float32
 
 
+_PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
+_BIASES = ("bqkv", "bo", "b_gate_up", "b_down")
+
+
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [d] float32
+    # the four projections' weights are plain [out, in] tensors, or packed for the linear backend
+    # (kernels.linear.pack, once at load: ModelWeights.pack_linears)
     wqkv: torch.Tensor  # [q_width + 2*kv_width, d]
     bqkv: torch.Tensor | None  # [q_width + 2*kv_width]
     q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
@@ -39,6 +46,10 @@ class LayerWeights:
     attn_out_norm: torch.Tensor | None = None  # [d] Gemma: on attention's output, before the residual add
     mlp_out_norm: torch.Tensor | None = None  # [d] Gemma: on the MLP's output, before the residual add
 
+    def projections(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(weight, bias) of the four projections, in the order a layer runs them."""
+        return [(getattr(self, w), getattr(self, b)) for w, b in zip(_PROJECTIONS, _BIASES)]
+
 
 @dataclass
 class ModelWeights:
@@ -48,10 +59,21 @@ class ModelWeights:
     lm_head: torch.Tensor  # [vocab, d]; the same tensor as embed when tied
 
     def nbytes(self) -> int:
-        """Bytes of every weight tensor, a tied head counted once."""
+        """Bytes of every weight tensor (packed ones as packed), a tied head counted once."""
         tensors = [self.embed, self.final_norm, self.lm_head]
         tensors += [t for layer in self.layers for t in vars(layer).values() if t is not None]
-        return sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in tensors}.values())
+        key = lambda t: t.untyped_storage().data_ptr() if t.layout == torch.strided else id(t)  # noqa: E731
+        return sum(weight_nbytes(t) for t in {key(t): t for t in tensors}.values())
+
+    def pack_linears(self, backend: str) -> "ModelWeights":
+        """Every layer's projection weights in the layout `backend` reads (kernels.linear.pack),
+        in place, one at a time (the plain tensor is dropped once packed); returns self."""
+        for layer in self.layers:
+            for name in _PROJECTIONS:
+                w = getattr(layer, name)
+                if w.layout == torch.strided:
+                    setattr(layer, name, pack(w, backend))
+        return self
 
     @classmethod
     def load(cls, folder: str, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> "ModelWeights":

@@ -8,6 +8,8 @@ same plan, so the two cannot drift apart.
   one chunk's buffers (reused by every chunk and layer), C = chunk size:
     normed [C, d]   scratch32 [C, max(d, q_width)] float32 (torch RMSNorm only)   qkv [C, qkv_width]
     o_rows [C, q_width]   proj [C, d]   gate_up [C, 2F]   act [C, F]
+  qkv, proj and gate_up are the projections' outputs: planned with no rows where the linear
+  backend allocates its own outputs (kernels.linear.allocates_output; memory.py counts those).
 """
 
 from __future__ import annotations
@@ -37,13 +39,16 @@ class WorkspacePlan:
 
 
 def plan_workspace(spec: ModelSpec, new_tokens: int, chunk_size: int | None, dtype: torch.dtype, prefix_tokens: int = 0,
-                   fp32_scratch: bool = True) -> WorkspacePlan:
-    """fp32_scratch=False: the compiled RMSNorm runs, scratch32 gets no rows (ops.rms_norm_needs_scratch)."""
+                   fp32_scratch: bool = True, linear_outputs: bool = True) -> WorkspacePlan:
+    """fp32_scratch=False: the compiled RMSNorm runs, scratch32 gets no rows (ops.rms_norm_needs_scratch).
+    linear_outputs=False: the linear backend allocates the projections' outputs, qkv, proj and
+    gate_up get no rows."""
     s, total = new_tokens, prefix_tokens + new_tokens
     c = s if not chunk_size or chunk_size >= s else int(chunk_size)
     d, f = spec.hidden_size, spec.intermediate_size
     hq, hkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
     f32 = torch.float32
+    lc = c if linear_outputs else 0
     shapes = {
         "hidden": ((s, d), dtype),
         "q": ((hq, s, hd), dtype),
@@ -51,10 +56,10 @@ def plan_workspace(spec: ModelSpec, new_tokens: int, chunk_size: int | None, dty
         "v": ((hkv, total, hd), dtype),
         "normed": ((c, d), dtype),
         "scratch32": ((c if fp32_scratch else 0, max(d, spec.q_width)), f32),
-        "qkv": ((c, spec.qkv_width), dtype),
+        "qkv": ((lc, spec.qkv_width), dtype),
         "o_rows": ((c, spec.q_width), dtype),
-        "proj": ((c, d), dtype),
-        "gate_up": ((c, 2 * f), dtype),
+        "proj": ((lc, d), dtype),
+        "gate_up": ((lc, 2 * f), dtype),
         "act": ((c, f), dtype),
     }
     return WorkspacePlan(new_tokens=s, prefix_tokens=prefix_tokens, chunk=c, shapes=shapes)

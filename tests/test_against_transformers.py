@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from prefillonly.executor import HybridPrefillExecutor
+from prefillonly.kernels.linear import why_onednn_unavailable
 from prefillonly.model_spec import ModelSpec
 from prefillonly.weights import ModelWeights
 
@@ -26,9 +27,18 @@ CHUNKS = [1, 7, 64, None]  # None = no chunking
 CPU = torch.device("cpu")
 
 
-def _executor(folder, dtype):
+def _executor(folder, dtype, linear_backend="aten"):
     spec = ModelSpec.from_folder(folder)
-    return HybridPrefillExecutor(spec, ModelWeights.load(folder, spec, dtype, CPU), dtype, CPU, "sdpa")
+    return HybridPrefillExecutor(spec, ModelWeights.load(folder, spec, dtype, CPU), dtype, CPU, "sdpa", linear_backend)
+
+
+def _linear_backend(name, dtype):
+    """`name` where it runs on this host, else the test is skipped saying why (oneDNN's bf16 needs
+    AVX-512 BW/VL/DQ: an AVX2-only host runs bf16 on aten, which the aten case covers)."""
+    why = why_onednn_unavailable("cpu", dtype) if name == "onednn" else None
+    if why is not None:
+        pytest.skip(f"linear backend onednn: {why}")
+    return name
 
 
 def _ours(executor, ids, chunk):
@@ -45,21 +55,23 @@ def references(family_folders):
     return {name: (load_hf(folder, torch.float64), load_hf(folder, torch.bfloat16)) for name, folder in family_folders.items()}
 
 
+@pytest.mark.parametrize("linear", ["aten", "onednn"])
 @pytest.mark.parametrize("family", list(FAMILY_CONFIGS))
-def test_fp32_matches_transformers(family, family_folders, references):
-    ex = _executor(family_folders[family], torch.float32)
+def test_fp32_matches_transformers(family, linear, family_folders, references):
+    ex = _executor(family_folders[family], torch.float32, _linear_backend(linear, torch.float32))
     ref64, _ = references[family]
     for n in LENGTHS:
         ids = _random_ids(ex.spec.vocab_size, n, seed=n)
         want = hf_logprobs(ref64, ids)
         for chunk in CHUNKS:
             diff = max_abs(_ours(ex, ids, chunk), want)
-            assert diff <= 1e-4, f"{family} len={n} chunk={chunk}: max logprob diff {diff:.2e}"
+            assert diff <= 1e-4, f"{family} {linear} len={n} chunk={chunk}: max logprob diff {diff:.2e}"
 
 
+@pytest.mark.parametrize("linear", ["aten", "onednn"])
 @pytest.mark.parametrize("family", list(FAMILY_CONFIGS))
-def test_bf16_within_transformers_own_error(family, family_folders, references):
-    ex = _executor(family_folders[family], torch.bfloat16)
+def test_bf16_within_transformers_own_error(family, linear, family_folders, references):
+    ex = _executor(family_folders[family], torch.bfloat16, _linear_backend(linear, torch.bfloat16))
     ref64, ref16 = references[family]
     for chunk in (7, None):
         ours_err, hf_err = 0.0, 0.0
@@ -68,7 +80,7 @@ def test_bf16_within_transformers_own_error(family, family_folders, references):
             want = hf_logprobs(ref64, ids)
             hf_err = max(hf_err, max_abs(hf_logprobs(ref16, ids), want))
             ours_err = max(ours_err, max_abs(_ours(ex, ids, chunk), want))
-        assert ours_err <= 1.5 * hf_err + 1e-3, f"{family} chunk={chunk}: ours {ours_err:.4f} vs transformers-bf16 {hf_err:.4f}"
+        assert ours_err <= 1.5 * hf_err + 1e-3, f"{family} {linear} chunk={chunk}: ours {ours_err:.4f} vs transformers-bf16 {hf_err:.4f}"
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "cpu_flash"])

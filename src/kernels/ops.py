@@ -90,20 +90,6 @@ def add_rms_norm_(h: torch.Tensor, delta: torch.Tensor, weight32: torch.Tensor, 
     return rms_norm_into(out, h, weight32, eps, scratch32)
 
 
-def linear_into(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """out = x @ w.T (+ b), written into `out` ([rows, w.shape[0]])."""
-    if b is None:
-        return torch.matmul(x, w.t(), out=out)
-    return torch.addmm(b, x, w.t(), out=out)
-
-
-def add_linear_(acc: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tmp: torch.Tensor) -> torch.Tensor:
-    """acc += x @ w.T (+ b) through the preallocated `tmp` ([rows, w.shape[0]]): the residual
-    adds of o_proj and down_proj, without a hidden temporary."""
-    acc.add_(linear_into(tmp, x, w, b))
-    return acc
-
-
 def rope_into(dst: torch.Tensor, src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate-half RoPE: dst = src * cos + rotate_half(src) * sin.
 
