@@ -172,6 +172,7 @@ def inner_ours_offline(args) -> dict:
             "prefix_cache_hit_fraction": cached / trace.prompt_tokens,
             "tokens_computed": stats1.tokens_computed - stats0.tokens_computed,
             "steps": stats1.steps - stats0.steps, "max_batch_tokens": engine.max_batch_tokens,
+            "backends": {"dtype": stats1.dtype, "attention": stats1.attention_backend, "linear": stats1.linear_backend},
             "peak_rss_bytes": status_bytes("VmHWM"), "per_request": per_request}
 
 

@@ -117,7 +117,7 @@ class EngineConfig:
             raise ConfigError(f"lambda_tokens_per_s must be >= 0, got {self.lambda_tokens_per_s}")
         if self.attention_backend not in BACKENDS:
             raise ConfigError(f"attention_backend {self.attention_backend!r} unknown; choose one of {', '.join(BACKENDS)}")
-        self.linear_backend = str(self.linear_backend).lower()
+        self.linear_backend = str(self.linear_backend or "auto").lower()
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ConfigError(f"linear_backend {self.linear_backend!r} unknown; choose one of {', '.join(LINEAR_BACKENDS)}")
         if self.model is not None and not os.path.isdir(str(self.model)):

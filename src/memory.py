@@ -81,6 +81,8 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
                where the linear backend allocates them (kernels.linear.allocates_output; the
                workspace then plans none) and the library's own buffers (kernels.linear.
                call_scratch_bytes: float32 copies of the output where oneDNN emulates bf16);
+               where attention writes over Q (the compiled and Triton kernels) its scratch is
+               freed before any projection runs, so only what exceeds `attention` is added;
     attention  attention's output and temporaries (for the compiled CPU kernel, which writes over
                Q: its scratch and packed V, as it reports them, one call at a time; for the Triton kernel,
                which writes over Q with no scratch: none; for SDPA the measured estimate above,
@@ -104,21 +106,25 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
                           fp32_scratch=rms_norm_needs_scratch(device, dtype, spec.qk_norm),
                           linear_outputs=not allocates_output(linear_backend))
     in_place_kernel = triton_covers(attention_backend, device, dtype, spec.head_dim)
+    cpu_kernel = cpu_flash_covers(attention_backend, device, dtype, spec.head_dim)
     if in_place_kernel:  # the Triton kernel writes over Q and allocates nothing
         attention = 0
-    elif cpu_flash_covers(attention_backend, device, dtype, spec.head_dim):
+    elif cpu_kernel:
         longest_keys = max(n + p for n, p in members)  # one call at a time: the longest sequence's
         attention = cpu_flash_scratch_bytes(spec.head_dim, spec.num_heads // spec.num_kv_heads, spec.num_kv_heads,
                                             longest_keys, dtype)
     else:  # torch paths: SDPA for plain causal layers, the banded path for windowed or capped ones
         attention = max(_torch_attention_bytes(spec, members, e, window, inplace_attention)
                         for window in {spec.layer_window(i) for i in range(spec.num_layers)})
+    linear = _linear_call_bytes(spec, plan.chunk, b, dtype, device, linear_backend)
+    if in_place_kernel or cpu_kernel:  # attention writes over Q: its scratch is freed before any projection runs
+        linear = max(0, linear - attention)
     chunks = -(-s // plan.chunk)
     pieces = (chunks + b - 1) * spec.rope_tables  # chunk x sequence intersections, each with its own RoPE tables
     last_rows = b * (spec.hidden_size * 2 * e + spec.vocab_size * (e + 4)) if b > 1 else spec.vocab_size * (e + 4)
     return dict(
         workspace=plan.nbytes(),
-        linear=_linear_call_bytes(spec, plan.chunk, b, dtype, device, linear_backend),
+        linear=linear,
         attention=attention,
         captured=e * 2 * captured_tokens * spec.kv_width * spec.num_layers,
         prefix_gather=0 if in_place_kernel else e * 2 * max(p for _, p in members) * spec.kv_width,

@@ -90,7 +90,9 @@ def test_engine_with_auto_equals_the_explicit_dtype_it_resolved_to(default_model
             stats = auto.stats()
     assert auto.dtype == EngineConfig(dtype=want).torch_dtype
     assert (stats.dtype, stats.dtype_reason) == (want, reason)
-    assert engine_info_labels(stats) == {"dtype": want, "dtype_reason": reason}
+    assert engine_info_labels(stats) == {"dtype": want, "dtype_reason": reason, "attention_backend": "sdpa",
+                                         "linear_backend": stats.linear_backend}
+    assert stats.linear_backend in ("aten", "onednn")
     assert f"dtype {want} ({reason})" in [r.getMessage() for r in caplog.records if r.name == "prefillonly"]
     with Engine(EngineConfig(dtype=want, threads=2, cache_budget_bytes=0, attention_backend="sdpa")) as explicit:
         ref = explicit.score(prompt, allowed, top_k=3)

@@ -7,7 +7,7 @@ counted from the stats the model passes at start (so the warm-up request is not 
 Request latency is a histogram (pb_utils.MetricFamily.HISTOGRAM, Triton 2.51+) observed by the
 model as each request is answered. prefillonly_engine_info is an "info" gauge (always 1) whose
 labels carry what the engine chose at start: its compute dtype and why (dtype="auto" picks per
-host), which /v2/models/prefillonly/config cannot show (it has the config.pbtxt's "auto").
+host) and its attention and linear backends (timed per host), which /v2/models/prefillonly/config cannot show (it has the config.pbtxt's "auto").
 """
 
 from __future__ import annotations
@@ -56,8 +56,10 @@ _INFO = "prefillonly_engine_info"
 
 
 def engine_info_labels(stats: EngineStats) -> dict[str, str]:
-    """The labels of prefillonly_engine_info: the engine's compute dtype and why it was chosen."""
-    return {"dtype": stats.dtype, "dtype_reason": stats.dtype_reason}
+    """The labels of prefillonly_engine_info: the engine's compute dtype and why it was chosen, and
+    the attention and linear backends it runs ("auto" resolved per host at start)."""
+    return {"dtype": stats.dtype, "dtype_reason": stats.dtype_reason, "attention_backend": stats.attention_backend,
+            "linear_backend": stats.linear_backend}
 
 
 _LATENCY = "prefillonly_request_latency_seconds"
@@ -93,7 +95,7 @@ class EngineMetrics:
         for name, (description, buckets, _) in _STEP_HISTOGRAMS.items():
             self._steps[name] = self._family(pb_utils, name, "HISTOGRAM", description).Metric(labels={}, buckets=buckets)
         # constant for the engine's life: one series, value 1, the choices in its labels
-        info = self._family(pb_utils, _INFO, "GAUGE", "Engine choices made at start (labels; value 1): compute dtype and why")
+        info = self._family(pb_utils, _INFO, "GAUGE", "Engine choices made at start (labels; value 1): compute dtype and why, attention and linear backends")
         self._info = info.Metric(labels=engine_info_labels(baseline))
         self._info.set(1)
         self._steps_seen = baseline.steps
