@@ -119,38 +119,13 @@ def end_to_end(args) -> dict:
     """Both offline traces through our engine, cpu_flash vs sdpa, fresh processes, interleaved."""
     from perf import eval as ev  # perf/eval.py: its traces and its fresh-process offline runner
 
-    args.scale, args.quick = "cpu", False
-    runs = []
-    for rep in range(args.reps):
-        for w in ("credit", "post_rec"):
-            trace, path = ev.ensure_trace(w, args)
-            for backend in ("cpu_flash", "sdpa"):
-                out = bu.PERF_DIR / "out" / "attention" / f"{w}_{backend}_{args.dtype}_rep{rep}.json"
-                bu.log(f"end to end: {w}, {backend}, {args.dtype}, rep {rep + 1}/{args.reps}")
-                r = ev.run_fresh_process("_ours-offline", path, out, args, args.timeout,
-                                         extra=("--attention-backend", backend))
-                runs.append(dict(workload=w, backend=backend, rep=rep, wall_s=r["wall_s"], prompt_tokens=r["prompt_tokens"],
-                                 tokens_computed=r["tokens_computed"], cached_tokens=r["cached_tokens"]))
-                bu.log(f"  {r['wall_s']:.1f} s wall, {r['tokens_computed']:,} tokens computed")
-    return dict(machine=bu.machine_info(args.threads), dtype=args.dtype, runs=runs, command=bu.command_line(), date=bu.now_iso())
+    return ev.engine_ab(args, "--attention-backend", ("cpu_flash", "sdpa"), bu.PERF_DIR / "out" / "attention")
 
 
 def render_end_to_end(data: dict) -> str:
-    rows = []
-    for w in ("credit", "post_rec"):
-        times = {b: sorted(r["wall_s"] for r in data["runs"] if r["workload"] == w and r["backend"] == b) for b in ("cpu_flash", "sdpa")}
-        computed = next(r["tokens_computed"] for r in data["runs"] if r["workload"] == w)
-        med = {b: statistics.median(t) for b, t in times.items()}
-        rows.append([w, f"{computed:,}", ", ".join(f"{t:.1f}" for t in times["cpu_flash"]), ", ".join(f"{t:.1f}" for t in times["sdpa"]),
-                     f"{med['cpu_flash'] / med['sdpa']:.2f}"])
-    return "\n".join([
-        f"`{data['command']}` — {data['date']}; {bu.machine_line(data['machine'])}; dtype {data['dtype']}. "
-        "perf/eval.py's offline traces at cpu scale (credit: 4 prompts of 5-7K tokens; post recommendation: "
-        "8 users x 10 posts with the prefix cache), all requests submitted at once, wall time to the last answer; "
-        "each run a fresh process, the two backends interleaved.",
-        "",
-        bu.markdown_table(["trace", "tokens computed", "cpu_flash wall s", "sdpa wall s", "cpu_flash / sdpa (medians)"], rows),
-    ])
+    from perf import eval as ev
+
+    return ev.render_engine_ab(data)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,6 +11,11 @@ the oneDNN paths are where AMX runs (torch sends bf16 to oneDNN, which uses AMX 
 
     .venv/bin/python -m perf.bench_linear                     # fp32 and bf16, 128 / 512 / 2048 rows
     .venv/bin/python -m perf.bench_linear --dtypes float32    # one dtype
+    .venv/bin/python -m perf.bench_linear --end-to-end [--dtype bfloat16] [--reps 2]
+
+--end-to-end replays perf/eval.py's two offline traces through the whole engine with
+linear_backend onednn and aten, each run a fresh process, interleaved (section "Linear layers end
+to end").
 """
 
 from __future__ import annotations
@@ -127,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-write", action="store_true", help="print the table, leave RESULTS.md alone")
+    p.add_argument("--end-to-end", action="store_true", help="whole-engine A/B (onednn vs aten) on perf/eval.py's offline traces")
+    p.add_argument("--dtype", default="bfloat16", help="--end-to-end: engine dtype")
+    p.add_argument("--reps", type=int, default=2, help="--end-to-end: runs per (trace, backend)")
+    p.add_argument("--timeout", type=float, default=1800, help="--end-to-end: seconds per run")
+    p.add_argument("--seed", type=int, default=0, help="--end-to-end: trace seed")
     return p
 
 
@@ -134,6 +144,16 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     args = build_parser().parse_args(argv)
+    if args.end_to_end:
+        from perf import eval as ev
+
+        data = ev.engine_ab(args, "--linear-backend", ("onednn", "aten"), bu.PERF_DIR / "out" / "linear")
+        bu.save_json(bu.PERF_DIR / "results" / f"linear_end_to_end_{args.dtype}.json", data)
+        text = ev.render_engine_ab(data)
+        print(text)
+        if not args.no_write:
+            bu.replace_section(bu.PERF_DIR / "RESULTS.md", f"## Linear layers end to end, {args.dtype}", text)
+        return 0
     torch.set_num_threads(args.threads)
     results = {}
     for dtype_name in args.dtypes:

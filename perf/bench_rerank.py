@@ -209,8 +209,10 @@ def max_gap(a: dict, b: dict) -> float:
 def report(result: dict) -> str:
     reps = result["reps"]
     rows = []
-    for what, key in (("one query alone (cold)", "single_s"), (f"{result['args']['queries'] - 1} queries from "
-                                                               f"{result['args']['users']} users", "load_s")):
+    works = [("one query alone (cold)", "single_s")]
+    if result["args"]["queries"] > 1:  # --queries 1: the query alone, no load
+        works.append((f"{result['args']['queries'] - 1} queries from {result['args']['users']} users", "load_s"))
+    for what, key in works:
         ours = [r["ours"]["rerank"][key] for r in reps]
         sep = [r["ours"]["separate"][key] for r in reps]
         vllm = [r["vllm"]["generative_scoring"][key] for r in reps]

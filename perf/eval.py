@@ -136,6 +136,7 @@ def inner_ours_offline(args) -> dict:
     longest = max(len(r.prompt_token_ids) for r in trace.requests)
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(dtype=args.dtype, threads=args.threads, attention_backend=args.attention_backend,
+                                 linear_backend=getattr(args, "linear_backend", "auto"),
                                  max_input_len=longest if longest > 8192 else None, max_batch_tokens=args.max_batch_tokens))
     load_s = time.perf_counter() - t0
     allowed = trace.allowed_token_ids
@@ -219,6 +220,45 @@ def run_fresh_process(inner: str, trace_file: Path, out: Path, args, timeout_s: 
     if proc.returncode != 0 or not out.is_file():
         raise RuntimeError(f"{inner} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return bu.load_json(out)
+
+
+def engine_ab(args, option: str, values: tuple[str, str], out_dir: Path) -> dict:
+    """Both offline traces (cpu scale) through our engine with `option` (an _ours-offline flag, e.g.
+    --attention-backend) at each of `values`, each run a fresh process, interleaved, args.reps times:
+    an A/B of one engine setting end to end (perf/bench_attention.py, perf/bench_linear.py)."""
+    args.scale, args.quick = "cpu", False
+    runs = []
+    for rep in range(args.reps):
+        for w in ("credit", "post_rec"):
+            _, path = ensure_trace(w, args)
+            for value in values:
+                out = out_dir / f"{w}_{value}_{args.dtype}_rep{rep}.json"
+                bu.log(f"end to end: {w}, {option} {value}, {args.dtype}, rep {rep + 1}/{args.reps}")
+                r = run_fresh_process("_ours-offline", path, out, args, args.timeout, extra=(option, value))
+                runs.append(dict(workload=w, backend=value, rep=rep, wall_s=r["wall_s"], prompt_tokens=r["prompt_tokens"],
+                                 tokens_computed=r["tokens_computed"], cached_tokens=r["cached_tokens"]))
+                bu.log(f"  {r['wall_s']:.1f} s wall, {r['tokens_computed']:,} tokens computed")
+    return dict(machine=bu.machine_info(args.threads), dtype=args.dtype, option=option, values=list(values), runs=runs,
+                command=bu.command_line(), date=bu.now_iso())
+
+
+def render_engine_ab(data: dict) -> str:
+    """engine_ab's runs as a table: wall times per value and the ratio of medians (first / second)."""
+    a, b = data.get("values", ["cpu_flash", "sdpa"])
+    rows = []
+    for w in ("credit", "post_rec"):
+        times = {v: sorted(r["wall_s"] for r in data["runs"] if r["workload"] == w and r["backend"] == v) for v in (a, b)}
+        computed = next(r["tokens_computed"] for r in data["runs"] if r["workload"] == w)
+        rows.append([w, f"{computed:,}", ", ".join(f"{t:.1f}" for t in times[a]), ", ".join(f"{t:.1f}" for t in times[b]),
+                     f"{bu.median(times[a]) / bu.median(times[b]):.2f}"])
+    return "\n".join([
+        f"`{data['command']}` — {data['date']}; {bu.machine_line(data['machine'])}; dtype {data['dtype']}. "
+        "perf/eval.py's offline traces at cpu scale (credit: 4 prompts of 5-7K tokens; post recommendation: "
+        "8 users x 10 posts with the prefix cache), all requests submitted at once, wall time to the last answer; "
+        f"each run a fresh process, the two {data.get('option', '--attention-backend').lstrip('-')} values interleaved.",
+        "",
+        bu.markdown_table(["trace", "tokens computed", f"{a} wall s", f"{b} wall s", f"{a} / {b} (medians)"], rows),
+    ])
 
 
 def run_vllm_offline(trace_file: Path, out: Path, args) -> dict:
@@ -823,6 +863,7 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--dtype", default="bfloat16")
         if name == "_ours-offline":  # A/B runs of our engine (perf/bench_attention.py --end-to-end, bench_batching.py)
             q.add_argument("--attention-backend", default="auto")
+            q.add_argument("--linear-backend", default="auto")
             q.add_argument("--max-batch-tokens", type=int)
     return p
 

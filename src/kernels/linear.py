@@ -11,9 +11,9 @@ Backends (EngineConfig.linear_backend):
             where torch routes bf16 to oneDNN (AVX-512 BW/VL/DQ or AVX-NE-CONVERT).
   "auto"    on CPU the faster of the two on the model's own layer-0 weights at 128 and 512 rows,
             timed at start (choose); on other devices aten.
-Measured on an AMD EPYC Zen4 (avx512_bf16, 2 threads, 2026-12-03, SmolLM2's four projections):
-fp32 aten 120-149 GFLOP/s vs oneDNN packed 192-205; bf16 aten 256-395 vs oneDNN packed 357-423
-(perf/RESULTS.md, `python -m perf.bench_linear`).
+Measured on an AMD EPYC Zen4 (avx512_bf16, 2 threads, 2026-12-03, SmolLM2's four projections at
+128-2,048 rows): fp32 aten 98-157 GFLOP/s vs oneDNN packed 180-206; bf16 aten 232-390 vs oneDNN
+packed 319-413 (perf/RESULTS.md "Linear layers", `python -m perf.bench_linear`).
 
 Library buffers the caller cannot see (torch's allocator never hears of them, so memory.py adds
 them from this module): where oneDNN has no native bf16 (no AVX512_BF16 / AMX, or capped by
