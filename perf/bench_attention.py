@@ -133,11 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=0.4, help="timing window per measurement")
     p.add_argument("--rounds", type=int, default=5, help="interleaved windows per system and shape")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--end-to-end", action="store_true", help="whole-engine A/B on perf/eval.py's offline traces")
-    p.add_argument("--dtype", default="float32", help="--end-to-end: engine dtype")
-    p.add_argument("--reps", type=int, default=2, help="--end-to-end: runs per (trace, backend)")
-    p.add_argument("--seed", type=int, default=0, help="--end-to-end: trace seed (perf/eval.py's)")
-    p.add_argument("--timeout", type=float, default=3600, help="--end-to-end: seconds per run")
+    from perf import eval as ev
+
+    ev.add_engine_ab_arguments(p, "cpu_flash vs sdpa", "float32")
     return p
 
 

@@ -132,11 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-write", action="store_true", help="print the table, leave RESULTS.md alone")
-    p.add_argument("--end-to-end", action="store_true", help="whole-engine A/B (onednn vs aten) on perf/eval.py's offline traces")
-    p.add_argument("--dtype", default="bfloat16", help="--end-to-end: engine dtype")
-    p.add_argument("--reps", type=int, default=2, help="--end-to-end: runs per (trace, backend)")
-    p.add_argument("--timeout", type=float, default=1800, help="--end-to-end: seconds per run")
-    p.add_argument("--seed", type=int, default=0, help="--end-to-end: trace seed")
+    from perf import eval as ev
+
+    ev.add_engine_ab_arguments(p, "onednn vs aten", "bfloat16")
     return p
 
 

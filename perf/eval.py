@@ -242,6 +242,15 @@ def engine_ab(args, option: str, values: tuple[str, str], out_dir: Path) -> dict
                 command=bu.command_line(), date=bu.now_iso())
 
 
+def add_engine_ab_arguments(p, what: str, dtype: str) -> None:
+    """The flags of a benchmark's --end-to-end mode (engine_ab): `what` names the A/B in the help."""
+    p.add_argument("--end-to-end", action="store_true", help=f"whole-engine A/B ({what}) on perf/eval.py's offline traces")
+    p.add_argument("--dtype", default=dtype, help=f"--end-to-end: engine dtype (default {dtype})")
+    p.add_argument("--reps", type=int, default=2, help="--end-to-end: runs per (trace, backend)")
+    p.add_argument("--seed", type=int, default=0, help="--end-to-end: trace seed (perf/eval.py's)")
+    p.add_argument("--timeout", type=float, default=3600, help="--end-to-end: seconds per run")
+
+
 def render_engine_ab(data: dict) -> str:
     """engine_ab's runs as a table: wall times per value and the ratio of medians (first / second)."""
     a, b = data.get("values", ["cpu_flash", "sdpa"])

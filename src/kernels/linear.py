@@ -126,8 +126,7 @@ def choose(weights: list[tuple[torch.Tensor, torch.Tensor | None]], dtype: torch
     key = (dtype, tuple((tuple(w.shape), b is not None) for w, b in weights), torch.get_num_threads())
     if time_of is None and key in _choices:
         return _choices[key]
-    time_of = time_of or (lambda backend: _time_backend(backend, weights, dtype))
-    seconds = {b: time_of(b) for b in ("aten", "onednn")}
+    seconds = {b: time_of(b) for b in ("aten", "onednn")} if time_of else _time_backends(weights, dtype)
     chosen = "aten" if seconds["aten"] < _ATEN_MARGIN * seconds["onednn"] else "onednn"
     flops = sum(2 * rows * w.shape[0] * w.shape[1] for rows in _TIMED_ROWS for w, _ in weights)
     log.info("prefillonly: linear backend %s (%s: aten %.1f ms = %.0f GFLOP/s, onednn %.1f ms = %.0f GFLOP/s, %d GEMMs at %s rows)",
@@ -137,23 +136,26 @@ def choose(weights: list[tuple[torch.Tensor, torch.Tensor | None]], dtype: torch
     return chosen
 
 
-def _time_backend(backend: str, weights, dtype: torch.dtype, reps: int = 3) -> float:
+def _time_backends(weights, dtype: torch.dtype, reps: int = 3) -> dict[str, float]:
+    """Best-of-`reps` seconds of the GEMMs per backend, the backends interleaved round by round so
+    that a burst of other load hits both alike."""
     g = torch.Generator().manual_seed(3)
-    packed = [(pack(w, backend), b) for w, b in weights]
-    calls = []
-    for rows in _TIMED_ROWS:
-        for (w, b), (pw, _) in zip(weights, packed):
-            x = torch.randn(rows, w.shape[1], generator=g).to(dtype)
-            out = torch.empty(rows, w.shape[0], dtype=dtype)
-            calls.append(functools.partial(linear, out, x, pw, b))
-    for call in calls:  # first calls: page faults, oneDNN's primitive cache
-        call()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for call in calls:
-            call()
-        best = min(best, time.perf_counter() - t0)
+    calls = {}
+    for backend in ("aten", "onednn"):
+        calls[backend] = []
+        for rows in _TIMED_ROWS:
+            for w, b in weights:
+                x = torch.randn(rows, w.shape[1], generator=g).to(dtype)
+                out = torch.empty(rows, w.shape[0], dtype=dtype)
+                calls[backend].append(functools.partial(linear, out, x, pack(w, backend), b))
+    best = {backend: float("inf") for backend in calls}
+    for round_ in range(reps + 1):  # round 0 warms up: page faults, oneDNN's primitive cache
+        for backend, fns in calls.items():
+            t0 = time.perf_counter()
+            for fn in fns:
+                fn()
+            if round_:
+                best[backend] = min(best[backend], time.perf_counter() - t0)
     return best
 
 
