@@ -97,7 +97,7 @@ def engine_choice(dtype_name: str) -> str:
     return resolve_linear_backend("auto", torch.device("cpu"), dtype, weights.layers[0].projections())
 
 
-_BACKEND_PATH = {"aten": "aten", "onednn": "oneDNN packed"}
+BACKEND_PATH = {"aten": "aten", "onednn": "oneDNN packed"}  # linear_backend -> its column here
 
 
 def report(results: dict, threads: int) -> str:
@@ -107,8 +107,8 @@ def report(results: dict, threads: int) -> str:
              "float64. *whole layer* = the four projections' FLOPs over their summed time. \"ours / best\" = the "
              "engine's choice (linear_backend=auto, timed at start) over the fastest path of that row.", ""]
     for dtype_name, r in results.items():
-        names = [k for k in r["rows"][0] if k != "shape"]
-        chosen = _BACKEND_PATH[r["chosen"]]
+        names = [k for k in r["groups"][0]["layer"] if k != "shape"]
+        chosen = BACKEND_PATH[r["chosen"]]
         lines += [f"**{dtype_name}**, auto chose `{r['chosen']}`:", ""]
         table = []
         for group in r["groups"]:
@@ -159,8 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         for rows in args.rows:
             gemms = layer_rates(dtype_name, model_shapes(rows))
             groups.append({"rows": rows, "gemms": gemms, "layer": _layer_row(gemms)})
-        results[dtype_name] = {"chosen": engine_choice(dtype_name), "groups": groups,
-                               "rows": [g for grp in groups for g in grp["gemms"]]}
+        results[dtype_name] = {"chosen": engine_choice(dtype_name), "groups": groups}
         bu.log(f"{dtype_name}: auto chose {results[dtype_name]['chosen']}")
     text = report(results, args.threads)
     print(text)

@@ -20,6 +20,7 @@ import argparse
 from pathlib import Path
 
 from perf import benchutil as bu
+from perf.bench_linear import BACKEND_PATH
 
 HEADING = "## Per host kind: ours vs vLLM-CPU"
 INTRO = ("One table per host kind (CPU model and flags), each from one session's side-by-side runs (same run, fresh "
@@ -88,7 +89,7 @@ def linear_line(d: dict, key: str) -> str:
     parts = []
     for dtype_name, r in d["results"].items():
         names = [k for k in r["groups"][0]["layer"] if k != "shape"]
-        chosen = {"aten": "aten", "onednn": "oneDNN packed"}[r["chosen"]]
+        chosen = BACKEND_PATH[r["chosen"]]
         worst = min(g["layer"][chosen] / max(g["layer"][n] for n in names) for g in r["groups"])
         rates = ", ".join(f"{g['rows']} rows {g['layer'][chosen]:.0f}" for g in r["groups"])
         parts.append(f"{dtype_name}: `{r['chosen']}` ({rates} GFLOP/s per layer; >= {worst:.2f}x the best path)")

@@ -54,8 +54,8 @@ class EngineConfig:
     activation_budget_bytes: int | None = None  # one request's transient peak; None = 90% of the memory free at start less the cache's
     threads: int | None = None  # torch intra-op threads (CPU); None = torch's default
     attention_backend: str = "auto"  # one of kernels.attention.BACKENDS: auto | cpu_flash | triton | sdpa | flash_attn
-    linear_backend: str = field(default="auto", metadata={"help": "auto | aten | onednn: the layers' GEMMs (auto: the "
-                                                                   "faster on this CPU, timed at start; aten off CPU)"})
+    linear_backend: str = field(default="auto", metadata={"help": "auto | aten | onednn: the layers' GEMMs (auto: onednn "
+                                                                   "unless aten times >= 10% faster at start; aten off CPU)"})
     cache_budget_bytes: int | None = None  # prefix-KV pool; None = 20% of free memory at start; 0 = no cache
     cache_block_size: int = 64  # tokens per cached block (the unit of prefix reuse)
     cache_second_tier_bytes: int = 0  # blocks evicted from the pool go here (host memory); 0 = off

@@ -10,6 +10,7 @@ validation, the CLI and the kernels' build can all ask it cheaply.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterable
 
 # /proc/cpuinfo flags of a native bf16 dot product (VDPBF16PS; AMX TDPBF16PS). Without one, a
@@ -62,8 +63,6 @@ def onednn_native_bf16(flags: Iterable[str] | None = None, environ: dict | None 
     (BF16_DOT_FLAGS) and no ONEDNN_MAX_CPU_ISA (or its old name DNNL_MAX_CPU_ISA) caps oneDNN
     below AVX512_CORE_BF16. Where it is False oneDNN emulates bf16 through float32 buffers
     (kernels.linear.call_scratch_bytes says how large)."""
-    import os
-
     env = os.environ if environ is None else environ
     have = set(cpu_flags() if flags is None else flags)
     cap = (env.get("ONEDNN_MAX_CPU_ISA") or env.get("DNNL_MAX_CPU_ISA") or "").strip().upper()

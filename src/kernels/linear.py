@@ -9,8 +9,8 @@ Backends (EngineConfig.linear_backend):
             has no out= form: each call allocates its output, so the executor plans no buffer for
             it and memory.py counts the largest output alive at a time instead. CPU only; bf16
             where torch routes bf16 to oneDNN (AVX-512 BW/VL/DQ or AVX-NE-CONVERT).
-  "auto"    on CPU the faster of the two on the model's own layer-0 weights at 128 and 512 rows,
-            timed at start (choose); on other devices aten.
+  "auto"    on CPU onednn unless aten is clearly faster (_ATEN_MARGIN) on the model's own layer-0
+            weights at 128 and 512 rows, timed at start (choose); on other devices aten.
 Measured on an AMD EPYC Zen4 (avx512_bf16, 2 threads, 2026-12-03, SmolLM2's four projections at
 128-2,048 rows): fp32 aten 98-157 GFLOP/s vs oneDNN packed 180-206; bf16 aten 232-390 vs oneDNN
 packed 319-413 (perf/RESULTS.md "Linear layers", `python -m perf.bench_linear`).
@@ -159,12 +159,18 @@ def _time_backends(weights, dtype: torch.dtype, reps: int = 3) -> dict[str, floa
     return best
 
 
+@functools.lru_cache(maxsize=1)
+def _bf16_emulated_by_onednn() -> bool:
+    """Whether torch sends bf16 GEMMs to oneDNN and oneDNN emulates them here (not native bf16; on
+    AVX2 hosts torch's own bf16 GEMM runs instead, whose few blocks `unseen` covers). Fixed for the
+    process: oneDNN reads its ISA cap once."""
+    return not onednn_native_bf16() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def call_scratch_bytes(rows: int, out_features: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> int:
     """Bytes one GEMM call allocates inside the library beyond its output (invisible to torch):
     the float32 copy of the whole output and its converted input blocks where oneDNN emulates bf16
     (see the module's docstring), else none that grows with the call."""
-    if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
+    if torch.device(device).type != "cpu" or dtype != torch.bfloat16 or not _bf16_emulated_by_onednn():
         return 0
-    if onednn_native_bf16() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return 0  # native bf16; or torch's own bf16 GEMM (AVX2 hosts), whose few blocks `unseen` covers
     return 4 * rows * out_features + _EMULATED_BLOCK_BYTES_PER_ROW * rows
