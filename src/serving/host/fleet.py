@@ -55,7 +55,7 @@ class LocalFleet:
         self.front_options = front_options
         self.replicas: list[TritonServer] = []  # every replica ever started, by index (the dead ones too)
         self.members: list[int] = []  # indices of the replicas in Envoy's endpoints
-        self.reaped: dict[int, int] = {}  # index -> exit status of each replica that died on its own
+        self.reaped: dict[int, int] = {}  # index -> exit status of each replica that died on its own, once reaped
         self.proxy: EnvoyProxy | None = None
         self._lock = threading.RLock()
         self._stopping = threading.Event()
@@ -142,11 +142,13 @@ class LocalFleet:
                         continue
                     print(f"fleet: replica {i} exited with status {status}; reaping it and taking it out of Envoy's endpoints",
                           file=sys.stderr, flush=True)
-                    self.reaped[i] = status
-                    with contextlib.suppress(Exception):
-                        self.replicas[i].stop(timeout=5)  # kills its group's leftovers (the stubs)
+                    # out of rotation first (its users move at once), then its leftovers killed;
+                    # `reaped` is written last, so whoever sees it sees the whole reaping done
                     with contextlib.suppress(Exception):
                         self._set_members([m for m in self.members if m != i])
+                    with contextlib.suppress(Exception):
+                        self.replicas[i].stop(timeout=5)  # kills its group's leftovers (the stubs)
+                    self.reaped[i] = status
 
     def stop(self) -> None:
         """Envoy first (no new requests), then every replica. Idempotent."""
