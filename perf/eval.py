@@ -497,7 +497,7 @@ def two_layer_config(spec_path: str, positions: int) -> dict:
 
 def engine_would_use_inplace(spec, tokens: int, budget: int) -> bool:
     """What the engine does with activation_budget_bytes = budget: in-place attention only when the
-    ordinary hybrid path does not fit (PrefillRunner.needs_inplace_attention)."""
+    ordinary hybrid path does not fit (scheduler.forward_plan.attention_in_place)."""
     import torch
 
     from prefillonly.memory import predict_peak_bytes

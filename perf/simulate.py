@@ -8,15 +8,15 @@
 A discrete-event simulation of N engines behind user-affinity routing (user -> engine by a
 stable hash). Each engine runs batched forward steps exactly as the engine's worker does: when
 idle and requests wait, it asks its Scheduler (the engine's class, `clock=` the simulated clock,
-`prefix=IndexPrefixView` over its own PrefixIndex) for `pick_step(StepBudget(max_batch_tokens))`
+`prefix=IndexPrefixView` over its own PrefixIndex) for `schedule()` with `StepBudget(max_batch_tokens)`
 (default: the engine's device default, 8192 uncached tokens for the GPU model, 2048 for the CPU
 one; 1 = one request per step). The plan's members come back already pinned in the index (cached
 prefix matched and pinned, the keep boundary's uncached blocks reserved, LRU eviction; blocks that
 find no room are overflow); the step then
   * runs for the TRUE cost model's step time: one fixed cost plus every member's linear and
     attention terms (CostModel.step_seconds; optionally times seeded log-normal noise);
-  * on completion commits every member's ticket (PrefixIndex.commit) and feeds the step to the
-    scheduler's JctEstimator (`observe_step(splits, seconds)`), so the estimate is fitted online as
+  * on completion hands the step's time to `scheduler.finish`, which commits every member's ticket
+    and feeds the step to the scheduler's JctEstimator (`observe_step(splits, seconds)`), so the estimate is fitted online as
     in the engine (seeded, as Engine._time_per_token does, with a cold 256-token forward's seconds
     per token); every member completes at the end of its step.
 Policies: FCFS, SJF (estimate frozen at arrival), CSJF (`csjf-independent`: every request ranked
@@ -24,7 +24,7 @@ on its own estimate minus its starvation credit, the paper's) and CSJF+groups (`
 default): a cold request whose kept blocks other waiting requests would read (a new user's profile
 and that user's queued posts) is ranked by Smith's rule for the whole group, its cost averaged over
 the requests it makes warm, so it no longer waits behind every warm request.
-Pick time is measured separately (wall time of one pick_step with 1000 / 5000 waiting requests)
+Pick time is measured separately (wall time of one schedule() with 1000 / 5000 waiting requests)
 and is not charged to the simulated clock, except in the scenario marked "pick time charged",
 which adds (measured µs per waiting request) x (requests waiting) before every step.
 
@@ -78,10 +78,11 @@ from perf.envoy_hashing import EnvoyPlacement, classify_moves
 from prefillonly.cache.index import PrefixIndex
 from prefillonly.config import DEFAULT_MAX_BATCH_TOKENS, EngineConfig
 from prefillonly.errors import OverloadedError
-from prefillonly.scheduler import DEFAULT_LAMBDA_TOKENS_PER_S, IndexPrefixView, JctEstimator, Scheduler, StepBudget, WaitingRequest
+from prefillonly.scheduler import (DEFAULT_LAMBDA_TOKENS_PER_S, IndexPrefixView, JctEstimator, Scheduler, StepBudget, StepOutcome,
+                                   WaitingRequest)
 
 SECTION = "## Scheduler simulation"
-RESULTS_FORMAT = 2  # 2: batched steps (pick_step), csjf = CSJF+groups; a --scenario run merges only into this format
+RESULTS_FORMAT = 2  # 2: batched steps (Scheduler.schedule), csjf = CSJF+groups; a --scenario run merges only into this format
 POLICIES = ("fcfs", "sjf", "csjf-independent", "csjf")
 LABELS = {"fcfs": "FCFS", "sjf": "SJF", "csjf-independent": "CSJF", "csjf": "CSJF+groups"}
 COLORS = {"fcfs": "tab:red", "sjf": "tab:orange", "csjf-independent": "tab:blue", "csjf": "tab:green"}
@@ -353,20 +354,19 @@ class SimEngine:
         self.block_size = block_size
         self.index = PrefixIndex(cache_blocks, block_size=block_size)
         self.estimator = JctEstimator(fallback_s_per_token=fallback_s_per_token)
-        self.scheduler = Scheduler(policy, self.estimator, IndexPrefixView(self.index), max_waiting=max_waiting,
-                                   lambda_tokens_per_s=lambda_tokens_per_s, clock=clock)
+        # no memory check: the cost model has no activation budget
+        self.scheduler = Scheduler(policy, self.estimator, IndexPrefixView(self.index), budget=StepBudget(step_tokens),
+                                   max_waiting=max_waiting, lambda_tokens_per_s=lambda_tokens_per_s, clock=clock)
         self.clock = clock
         self.rng, self.noise = rng, noise
         self.pick_s_per_waiting = pick_s_per_waiting
-        self.budget = StepBudget(step_tokens)  # no memory check: the cost model has no activation budget
         self.running = None  # (StepPlan, seconds, start, pick_s)
         self.picks = 0
         self.max_waiting_seen = 0
 
     def add(self, sr: SimRequest) -> None:
-        """Queue a trace request as the engine queues a ScoreRequest (raises OverloadedError)."""
-        self.scheduler.add(WaitingRequest(prompt_tokens=sr.prompt_tokens, block_hashes=sr.block_keys, payload=sr,
-                                          kept_blocks=sr.keep_len // self.block_size))
+        """Queue a trace request as the engine queues its Request (raises OverloadedError)."""
+        self.scheduler.add(_queued(sr, self.block_size))
 
     @property
     def outstanding(self) -> int:
@@ -377,7 +377,7 @@ class SimEngine:
         """Plan and start the next step; returns its completion time (None if nothing waits)."""
         waiting = len(self.scheduler)
         self.max_waiting_seen = max(self.max_waiting_seen, waiting)
-        plan = self.scheduler.pick_step(self.budget)  # members pinned in the index (PrefixIndex.begin)
+        plan = self.scheduler.schedule()  # members pinned in the index (PrefixIndex.begin)
         if not plan:
             return None
         self.picks += 1
@@ -391,16 +391,26 @@ class SimEngine:
         return now + pick_s + seconds
 
     def finish(self) -> list[Record]:
-        """The step's end, as the runner does it: commit every member's ticket, feed the step's
-        time to the estimator; one Record per member."""
+        """The step's end, as the engine's is: scheduler.finish commits every member's ticket and
+        feeds the step's time to the estimator; one Record per member."""
         plan, seconds, start, pick_s = self.running
         self.running = None
-        for m in plan.members:
-            self.index.commit(m.ticket)
-        self.estimator.observe_step(plan.shape, seconds)  # the forward's time, as the runner measures it
+        self.scheduler.finish(plan, StepOutcome([None] * len(plan), forward_s=seconds))
         done, n, tokens = self.clock(), len(plan), plan.tokens
-        return [Record(m.request.payload.request_id, self.eid, m.request.payload.arrival_s, start, done, seconds,
+        return [Record(m.request.trace.request_id, self.eid, m.request.trace.arrival_s, start, done, seconds,
                        m.split.cached, m.split.uncached, pick_s, n, tokens) for m in plan.members]
+
+
+@dataclass(eq=False)
+class QueuedTraceRequest(WaitingRequest):
+    """A trace request as the scheduler queues it (the engine's Request, for the simulator)."""
+
+    trace: SimRequest | None = None
+
+
+def _queued(r: SimRequest, block_size: int) -> QueuedTraceRequest:
+    return QueuedTraceRequest(prompt_tokens=r.prompt_tokens, block_hashes=r.block_keys, kept_blocks=r.keep_len // block_size,
+                              trace=r)
 
 
 @dataclass
@@ -623,7 +633,7 @@ def perfect_cache_tokens(work: Workload) -> int:
 
 # -- pick cost ----------------------------------------------------------------------------------
 def measure_pick_cost(sizes=(1000, 5000), block_size: int = DEFAULT_BLOCK, reps: int = 5, policies=POLICIES) -> list[dict]:
-    """Wall time of one Scheduler.pick_step(StepBudget(1)) (the order of every waiting request,
+    """Wall time of one Scheduler.schedule() with StepBudget(1) (the order of every waiting request,
     then the first one pinned) over `size` waiting requests of paper-scale post-rec hash lists
     (~220 profile blocks each), with every profile cached (match walks the whole profile: the
     worst case) and with an empty cache (match stops at the first block; csjf forms a dependency
@@ -644,17 +654,16 @@ def measure_pick_cost(sizes=(1000, 5000), block_size: int = DEFAULT_BLOCK, reps:
                 est = JctEstimator()
                 for u, c in [(14000, 0), (200, 14000), (180, 12000), (16000, 0), (150, 16000)]:
                     est.observe(u, c, cost.seconds(u, c))
-                sched = Scheduler(policy, est, IndexPrefixView(index), max_waiting=size + 1, clock=clock)
+                sched = Scheduler(policy, est, IndexPrefixView(index), budget=StepBudget(1), max_waiting=size + 1, clock=clock)
                 pool = work.requests
                 for j in range(size):
                     r = pool[j % len(pool)]
                     clock.now = j * 1e-3
-                    sched.add(WaitingRequest(prompt_tokens=r.prompt_tokens, block_hashes=r.block_keys, payload=r,
-                                             kept_blocks=r.keep_len // block_size))
+                    sched.add(_queued(r, block_size))
                 times = []
                 for _ in range(reps):
                     t0 = time.perf_counter()
-                    plan = sched.pick_step(StepBudget(1))
+                    plan = sched.schedule()
                     times.append(time.perf_counter() - t0)
                     for m in plan.members:
                         index.abort(m.ticket)
@@ -683,7 +692,7 @@ def render(data: dict) -> str:
     lines += [
         "Discrete-event simulation (`perf/simulate.py`) of the engine's own `Scheduler` and `PrefixIndex` with a cost "
         "model in place of the model. Each engine runs batched forward steps as the engine's worker does: "
-        "`Scheduler.pick_step(StepBudget(max_batch_tokens))` (the engine's device default: 8192 uncached tokens on the GPU "
+        "`Scheduler.schedule()` with `StepBudget(max_batch_tokens)` (the engine's device default: 8192 uncached tokens on the GPU "
         "model, 2048 on the CPU one) returns the step's members already pinned in the index; the step takes the cost "
         "model's time for all of them (one fixed cost per step), then every member's kept (profile) blocks are committed "
         "(LRU eviction) and the step is fed to the engine's online `JctEstimator` (seeded as the engine seeds it, with a "
@@ -748,7 +757,7 @@ def render(data: dict) -> str:
     if data.get("plot"):
         lines += [f"![latency vs QPS]({data['plot']})", ""]
     if data.get("pick_cost"):
-        lines += ["**Scheduler.pick_step cost** (wall time of one pick_step of one member: the policy's order of every waiting "
+        lines += ["**Scheduler.schedule cost** (wall time of one schedule() of one member: the policy's order of every waiting "
                   "request, then the first one pinned; median of several, this host, one thread; waiting requests are "
                   "paper-scale post-rec hash lists, ~220 profile blocks each; the estimator is fitted):", ""]
         rows = [[_label(r["policy"]), r["waiting"], "yes" if r["profiles_cached"] else "no", f"{r['median_ms']:.2f}", f"{r['per_request_us']:.2f}"]

@@ -4,14 +4,18 @@
         r = engine.score("Is the sky blue? Answer:", [" Yes", " No"])
         r.chosen.text, r.chosen.prob
 
-Request path: submit() validates + tokenizes in the caller's thread (prompts.py, request.py)
-into a ScoreRequest and puts it in the waiting set -> the worker thread asks the scheduler for
-the next step (scheduler/: FCFS | SJF | CSJF order against the prefix cache's current state,
-each member pinned in the cache as it is picked and checked on its real split against
-max_batch_tokens and the activation budget: a final StepPlan) -> PrefillRunner (runner.py):
-the cache's data moves, HybridPrefillExecutor.forward_batch over every member's uncached tokens
-(executor.py), commit the new blocks, ScoreResults (scoring.py) -> each request's Future,
-resolved on the completion thread (completions.py) while the worker starts the next step.
+Request path: submit() validates + tokenizes in the caller's thread (prompts.py) into one
+Request record (request.py) and the scheduler queues it (refusing at once a prompt that could
+never fit the activation budget) -> the worker thread runs one step at a time, in three calls:
+
+    plan = scheduler.schedule()               # scheduler/: FCFS | SJF | CSJF order against the prefix
+                                              # cache's current state; members pinned, memory decided
+    outcome = runner.execute(plan)            # runner.py: the cache's data moves, one forward over every
+                                              # member's uncached tokens (executor.py), ScoreResults
+    answers = scheduler.finish(plan, outcome) # tickets committed or aborted, counters
+
+-> each answer goes to its request's Future on the completion thread (completions.py) while the
+worker starts the next step.
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 
@@ -31,20 +34,20 @@ from .cache.prefix_cache import PrefixCache
 from .completions import CompletionThread
 from .config import EngineConfig
 from .default_model import ensure_default_model
-from .errors import ConfigError, DeadlineExceededError, EngineClosedError, InvalidRequestError, PrefillOnlyError
+from .errors import ConfigError, EngineClosedError, InvalidRequestError
 from .executor import HybridPrefillExecutor
 from .kernels.attention import AttentionShape, resolve_backend
 from .kernels.linear import resolve_linear_backend
 from .limits import RequestLimits, max_token_bytes
-from .memory import available_memory_bytes
+from .memory import ActivationBudget, available_memory_bytes
 from .model_spec import ModelSpec
 from .prompts import PromptEncoder
-from .request import (ScoreRequest, check_cache_prefix_len, check_deadline, check_length, check_namespace,
+from .request import (Request, RequestFuture, check_cache_prefix_len, check_deadline, check_length, check_namespace,
                       check_priority, check_top_k)
 from .result import ScoreResult
-from .runner import PrefillRunner, StepOutcome
-from .scheduler import IndexPrefixView, JctEstimator, Scheduler, StepBudget, StepPlan, WaitingRequest
-from .stats import EngineCounters, EngineStats, StepRecord
+from .runner import PrefillRunner
+from .scheduler import Answer, IndexPrefixView, JctEstimator, Scheduler, StepBudget, StepOutcome, StepPlan
+from .stats import EngineStats, StepRecord
 from .weights import ModelWeights
 
 log = logging.getLogger("prefillonly")
@@ -63,39 +66,24 @@ class Engine:
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         log.info("dtype %s (%s)", config.dtype, config.dtype_reason)  # what dtype="auto" chose here, and why
-        weights = ModelWeights.load(self.model_path, self.spec, self.dtype, self.device)
-        backend = resolve_backend(config.attention_backend, self.device,
-                                  AttentionShape(self.dtype, self.spec.head_dim, self.spec.num_heads, self.spec.num_kv_heads))
-        # the GEMMs' backend, timed on layer 0's own weights (auto); the executor packs them for it
-        linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype, weights.layers[0].projections())
-        self.executor = executor = HybridPrefillExecutor(self.spec, weights, self.dtype, self.device, backend, linear_backend)
-        self.weight_bytes = weights.nbytes()
-        tokenizer = _load_tokenizer(self.model_path)
-        self.max_input_len = config.max_input_len or self.spec.context_length
-        self.limits = _request_limits(config, self.max_input_len, tokenizer)
-        self.encoder = PromptEncoder(tokenizer, self.spec.vocab_size, self.limits)
-        if self.max_input_len > self.spec.context_length:
-            log.warning(
-                "max_input_len %d exceeds the model's context length %d (explicit override)",
-                self.max_input_len, self.spec.context_length,
-            )
+        self.executor = self._load_executor()
+        self._load_prompts()
         free = available_memory_bytes(self.device)
         cache_bytes = config.cache_budget_for(free)
         # the pool's pages are counted now even where the OS maps them lazily (CPU)
         self.activation_budget_bytes = config.activation_budget_for(free, cache_bytes)
         self.cache = self._make_cache(cache_bytes)
-        executor.forward(torch.zeros(8, dtype=torch.long), config.chunk_size)  # warm-up
+        self.executor.forward(torch.zeros(8, dtype=torch.long), config.chunk_size)  # warm-up
         self.jct = JctEstimator(fallback_s_per_token=self._time_per_token())
         self.max_batch_tokens = config.batch_token_budget
-        self.counters = EngineCounters()
-        self.runner = PrefillRunner(executor, self.cache, self.activation_budget_bytes, config.chunk_size,
-                                    self.max_batch_tokens, self.jct, self.encoder.token_text, self.counters)
+        self.memory = ActivationBudget(self.executor, config.chunk_size, self.activation_budget_bytes)
+        self.runner = PrefillRunner(self.executor, self.cache, config.chunk_size, self.encoder.token_text)
         self.scheduler = Scheduler(config.scheduling_policy, self.jct, IndexPrefixView(self.cache.index) if self.cache else None,
-                                   max_waiting=config.max_waiting, lambda_tokens_per_s=config.lambda_tokens_per_s)
-        self.step_budget = StepBudget(self.max_batch_tokens, self.runner.fits)
+                                   budget=StepBudget(self.max_batch_tokens, self.memory), max_waiting=config.max_waiting,
+                                   lambda_tokens_per_s=config.lambda_tokens_per_s)
         self._steps = 0
         self._recent_steps: deque[StepRecord] = deque(maxlen=_RECENT_STEPS)
-        self._cv = threading.Condition()  # guards the scheduler, the counters, the step records and _closed
+        self._cv = threading.Condition()  # guards the scheduler (and its counters), the step records and _closed
         self._closed = False
         # answers are delivered off the worker, so a slow callback never delays the next step
         self._completions = CompletionThread()
@@ -108,10 +96,31 @@ class Engine:
             "prefix cache %.1f MiB in blocks of %d (+%.1f MiB second tier), activation budget %.1f MiB, "
             "scheduling %s, up to %d tokens per step, %.1f s",
             self.model_path, self.spec.architecture, self.spec.num_layers, config.dtype, self.device,
-            config.chunk_size or "none", backend, linear_backend, self.max_input_len,
+            config.chunk_size or "none", self.executor.attention_backend, self.executor.linear_backend, self.max_input_len,
             cache_bytes / 2**20, config.cache_block_size, config.cache_second_tier_bytes / 2**20,
             self.activation_budget_bytes / 2**20, config.scheduling_policy, self.max_batch_tokens, time.perf_counter() - t0,
         )
+
+    def _load_executor(self) -> HybridPrefillExecutor:
+        """The weights, the attention and GEMM backends (chosen once, here), the executor."""
+        config, spec = self.config, self.spec
+        weights = ModelWeights.load(self.model_path, spec, self.dtype, self.device)
+        backend = resolve_backend(config.attention_backend, self.device,
+                                  AttentionShape(self.dtype, spec.head_dim, spec.num_heads, spec.num_kv_heads))
+        # the GEMMs' backend, timed on layer 0's own weights (auto); the executor packs them for it
+        linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype, weights.layers[0].projections())
+        self.weight_bytes = weights.nbytes()
+        return HybridPrefillExecutor(spec, weights, self.dtype, self.device, backend, linear_backend)
+
+    def _load_prompts(self) -> None:
+        """The tokenizer, the request limits and the prompt encoder."""
+        tokenizer = _load_tokenizer(self.model_path)
+        self.max_input_len = self.config.max_input_len or self.spec.context_length
+        if self.max_input_len > self.spec.context_length:
+            log.warning("max_input_len %d exceeds the model's context length %d (explicit override)",
+                        self.max_input_len, self.spec.context_length)
+        self.limits = _request_limits(self.config, self.max_input_len, tokenizer)
+        self.encoder = PromptEncoder(tokenizer, self.spec.vocab_size, self.limits)
 
     # -- public API -------------------------------------------------------------------
     def submit(self, prompt, allowed_tokens, *, top_k: int = 0, apply_chat_template: bool = False,
@@ -134,8 +143,7 @@ class Engine:
         keep = check_cache_prefix_len(cache_prefix_len, len(ids))
         namespace = check_namespace(cache_namespace, user)
         check_length(len(ids), self.max_input_len)
-        request = ScoreRequest(ids, allowed_ids, top_k, keep, namespace)
-        return self._enqueue(request, priority, deadline_s)
+        return self._enqueue(Request(ids, allowed_ids, top_k, keep, namespace), priority, deadline_s)
 
     def submit_items(self, prompt, items, allowed_tokens, *, item_template: str | None = None, top_k: int = 0,
                      apply_chat_template: bool = False, cache_prefix_len: int | None = None,
@@ -162,8 +170,7 @@ class Engine:
                 f"the items put prompt + item on both sides of {self.spec.rope_switch_length} tokens, where this model's "
                 f"LongRoPE switches to its long factors (transformers would rotate them differently): send the items "
                 f"shorter and longer than that as two requests")
-        request = ScoreRequest(shared, allowed_ids, top_k, keep, namespace, item_ids=item_ids)
-        return self._enqueue(request, priority, deadline_s)
+        return self._enqueue(Request(shared, allowed_ids, top_k, keep, namespace, item_ids=item_ids), priority, deadline_s)
 
     def score(self, prompt, allowed_tokens, **kwargs) -> ScoreResult:
         """submit(...).result(): the probabilities of the allowed tokens after `prompt`."""
@@ -181,7 +188,7 @@ class Engine:
                   **{f"cache_tier{t}": b for t, b in (self.cache.capacity_bytes() if self.cache else {}).items()}}
         with self._cv:
             return EngineStats(
-                waiting=len(self.scheduler), counters=self.counters.copy(), jct_mean_abs_rel_error=self.jct.mean_abs_relative_error(),
+                waiting=len(self.scheduler), counters=self.scheduler.counters.copy(), jct_mean_abs_rel_error=self.jct.mean_abs_relative_error(),
                 tokens_computed=self.executor.tokens_computed, steps=self._steps, recent_steps=list(self._recent_steps),
                 dtype=self.config.dtype, dtype_reason=self.config.dtype_reason, budget_bytes=budget,
                 attention_backend=self.executor.attention_backend, linear_backend=self.executor.linear_backend,
@@ -190,17 +197,17 @@ class Engine:
 
     def predict_peak_bytes(self, new_tokens: int, prefix_tokens: int = 0, inplace_attention: bool = False) -> int:
         """Predicted peak extra memory of computing `new_tokens` after `prefix_tokens` cached ones."""
-        return self.runner.predict_peak_bytes([(new_tokens, prefix_tokens)], inplace_attention=inplace_attention)
+        return self.memory.peak_bytes([(new_tokens, prefix_tokens)], inplace=inplace_attention)
 
     def close(self, timeout: float | None = None) -> None:
         """Stop taking work; fail every waiting request with EngineClosedError; let the running
         step finish; stop the worker. Idempotent."""
         with self._cv:
             already, self._closed = self._closed, True
-            waiting = self.scheduler.drain()
+            answers = self.scheduler.refuse_all(EngineClosedError("engine closed before the request ran"))
             self._cv.notify_all()
-        for req in waiting:
-            self._fail(req, EngineClosedError("engine closed before the request ran"))
+        for a in answers:  # resolved here: the worker (and its completion thread) may be gone already
+            a.request.future.set_exception(a.error)
         if not already and threading.current_thread() is not self._worker:
             deadline = None if timeout is None else time.monotonic() + timeout
             self._worker.join(timeout)
@@ -214,8 +221,8 @@ class Engine:
         self.close()
 
     # -- request loop -------------------------------------------------------------------
-    def _enqueue(self, request: ScoreRequest, priority, deadline_s) -> Future:
-        priority = check_priority(priority)
+    def _enqueue(self, request: Request, priority, deadline_s) -> Future:
+        request.priority = check_priority(priority)
         deadline = check_deadline(deadline_s)
         if self.cache is not None:
             # K/V rotated with LongRoPE's long factors never serves a prompt rotated with the short ones
@@ -223,29 +230,21 @@ class Engine:
             if self.spec.rope_long(request.rope_length):
                 namespace = f"{namespace or ''}\0longrope-long"
             request.block_hashes = self.cache.hashes(request.token_ids, namespace)
-        block = self.config.cache_block_size
-        req = QueuedRequest(prompt_tokens=request.total_tokens, block_hashes=request.block_hashes, priority=priority,
-                            payload=request, kept_blocks=request.keep_len // block, runs_alone=request.runs_alone,
-                            cache_prompt_tokens=len(request.token_ids), future=RequestFuture())
+        request.kept_blocks = request.keep_len // self.config.cache_block_size
         with self._cv:
             if self._closed:
                 raise EngineClosedError("engine is closed")
             if deadline is not None:
-                req.deadline = self.scheduler.clock() + deadline
-            try:
-                self.scheduler.add(req)
-            except PrefillOnlyError as e:
-                self.counters.rejected[e.code] += 1
-                raise
+                request.deadline = self.scheduler.clock() + deadline
+            self.scheduler.add(request)  # raises (counted) when full, or when the prompt can never fit
             self._cv.notify()
-        req.future.add_done_callback(lambda f: f.cancelled() and self._forget(req))
-        return req.future
+        request.future.add_done_callback(lambda f: f.cancelled() and self._forget(request))
+        return request.future
 
-    def _forget(self, req: QueuedRequest) -> None:
+    def _forget(self, request: Request) -> None:
         """A waiting request's Future was cancelled: drop it from the waiting set."""
         with self._cv:
-            if self.scheduler.remove(req):
-                self.counters.cancelled += 1
+            self.scheduler.cancel(request)
 
     def _serve(self) -> None:
         last_step_end = 0.0
@@ -256,79 +255,41 @@ class Engine:
                         self._cv.wait()
                     if self._closed:
                         return
-                    expired = self.scheduler.take_expired()
-                    try:
-                        plan = self.scheduler.pick_step(self.step_budget)
-                    except BaseException as e:  # the worker must survive: what waited gets this error
-                        log.exception("prefillonly: the scheduler failed to plan a step; failing every waiting request")
-                        plan = StepPlan()
-                        self._answer_all(self.scheduler.drain(), e)
-                for r in expired:
-                    self._fail(r, DeadlineExceededError("deadline passed while the request waited; it was not run"),
-                               deliver=self._completions.deliver)
-                if plan:
-                    self._run_step(plan, last_step_end)
+                    plan = self._schedule()
+                self._deliver(plan.refused)
+                if plan or plan.moves:
+                    self._step(plan, last_step_end)
                     last_step_end = time.monotonic()
         finally:
             self._completions.stop()  # after the last answer this worker hands over
 
-    def _run_step(self, plan: StepPlan[ScoreRequest], last_step_end: float) -> None:
-        """One forward step over the planned members; each gets exactly one answer."""
+    def _schedule(self) -> StepPlan:
+        """scheduler.schedule(), or, if the scheduler itself fails, an empty plan whose refusals
+        fail everything that waited (the worker must survive)."""
         try:
-            self.runner.prepare(plan)
-        except BaseException as e:  # the worker must survive: every planned request gets this error
-            for m in plan.members:
-                self.runner.release(m)
-            self._answer_all([m.request for m in plan.members], e)
-            return
+            return self.scheduler.schedule()
+        except BaseException as e:
+            log.exception("prefillonly: the scheduler failed to plan a step; failing every waiting request")
+            return StepPlan(refused=self.scheduler.fail_all(e))
+
+    def _step(self, plan: StepPlan, last_step_end: float) -> None:
+        """One forward step: execute the plan, finish it; each member gets exactly one answer."""
         now = time.monotonic()
-        live = []
-        for m in plan.members:
-            if m.request.future.set_running_or_notify_cancel():
-                m.request.future.started_at = now
-                live.append(m)
-            else:  # cancelled between the pick and the start
-                self.runner.release(m)
-        if not live:
-            return
         # the worker's idle gap: how long this step's work waited for it after its previous step
-        ready_since = max(last_step_end, min(m.request.arrived for m in live))
-        idle_gap_s = max(0.0, now - ready_since)
-        outcome = self.runner.run(live)
-        self._record(outcome, idle_gap_s)
-        for o in outcome.members:
-            self._completions.deliver(o.member.request.future, o.result, o.error)
+        ready_since = max(last_step_end, min((m.request.arrived for m in plan.members), default=now))
+        outcome = self.runner.execute(plan)
+        with self._cv:  # counters and the step record move before any answer is delivered: an
+            # answer's callback may read stats() (or the metrics endpoint) the moment it runs
+            answers = self.scheduler.finish(plan, outcome)
+            if plan:
+                self._steps += 1
+                computed = plan.tokens if outcome.error is None else 0
+                self._recent_steps.append(StepRecord(computed, len(plan), max(0.0, now - ready_since)))
+        self._deliver(answers)
 
-    def _record(self, outcome: StepOutcome, idle_gap_s: float) -> None:
-        """Counters and the step record move before any answer is delivered: an answer's
-        callback may read stats() (or the metrics endpoint) the moment it runs."""
-        with self._cv:
-            self._steps += 1
-            self._recent_steps.append(StepRecord(outcome.computed_tokens, len(outcome.members), idle_gap_s))
-            for o in outcome.members:
-                if o.error is not None:
-                    self.counters.failed[_error_code(o.error)] += 1
-                else:
-                    self.counters.completed += 1
-
-    def _answer_all(self, requests: list[QueuedRequest], error: BaseException) -> None:
-        """Fail each request that was to run (and was not cancelled) with `error`, on the completion thread."""
-        for r in requests:
-            if r.future.set_running_or_notify_cancel():
-                with self._cv:  # re-entrant: the scheduler's failure path already holds it
-                    self.counters.failed[_error_code(error)] += 1
-                self._completions.deliver(r.future, error=error)
-
-    def _fail(self, req: QueuedRequest, error: PrefillOnlyError, deliver=None) -> None:
-        """Refuse a request that never ran (deadline passed, engine closed); `deliver`: how to
-        hand the answer over (the worker's: the completion thread), else resolved here."""
-        if req.future.set_running_or_notify_cancel():
-            with self._cv:
-                self.counters.rejected[error.code] += 1
-            if deliver is not None:
-                deliver(req.future, error=error)
-            else:
-                req.future.set_exception(error)
+    def _deliver(self, answers: list[Answer]) -> None:
+        for a in answers:
+            self._completions.deliver(a.request.future, a.result, a.error)
 
     def _time_per_token(self, n: int = 256) -> float:
         """Seed of the JCT estimate: one cold forward's seconds per token (the fit takes over
@@ -347,24 +308,6 @@ class Engine:
                 log.warning("cache_budget_bytes %d is smaller than one block (%d bytes): prefix cache off", budget_bytes, cache.block_bytes)
             return None
         return cache
-
-
-class RequestFuture(Future):
-    """The Future submit() returns. started_at: time.monotonic() when the worker started the
-    request (None while it waits), so that a server can report queue wait."""
-
-    started_at: float | None = None
-
-
-@dataclass(eq=False)
-class QueuedRequest(WaitingRequest[ScoreRequest]):
-    """A waiting request of this engine: the scheduler's view, its ScoreRequest, its Future."""
-
-    future: RequestFuture | None = None
-
-
-def _error_code(error: BaseException) -> str:
-    return getattr(error, "code", type(error).__name__)
 
 
 def _request_limits(config: EngineConfig, max_input_len: int, tokenizer) -> RequestLimits:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .kernels.attention import (INPLACE_QUERY_BLOCK, banded_scratch_bytes, cpu_flash_covers, cpu_flash_scratch_bytes,
-                                triton_covers)
+                                inplace_attention_supported, triton_covers)
 from .model_spec import ModelSpec
 from .kernels.linear import allocates_output, call_scratch_bytes
 from .kernels.ops import rms_norm_needs_scratch
@@ -157,6 +157,25 @@ def _torch_attention_bytes(spec: ModelSpec, members: list[tuple[int, int]], e: i
         longest = max(n for n, _ in members)
         return _INPLACE_BYTES_PER_QUERY_ELEMENT * min(longest, INPLACE_QUERY_BLOCK) * spec.q_width + _INPLACE_FIXED_BYTES
     return _ATTENTION_BYTES_PER_QUERY_ELEMENT * sum(n for n, _ in members) * spec.q_width + _ATTENTION_FIXED_BYTES
+
+
+class ActivationBudget:
+    """The engine's activation budget as the scheduler checks steps against it (its StepMemory,
+    scheduler/plan.py): the prediction above for this executor's model, dtype, device, chunk and
+    backends, and the budget in bytes."""
+
+    def __init__(self, executor, chunk_size: int | None, budget_bytes: int):
+        self.spec, self.dtype, self.device = executor.spec, executor.dtype, executor.device
+        self.attention_backend, self.linear_backend = executor.attention_backend, executor.linear_backend
+        self.chunk_size = chunk_size
+        self.budget_bytes = budget_bytes
+        self.inplace_supported = inplace_attention_supported(self.device)
+
+    def peak_bytes(self, shape: list[tuple[int, int]], captured: int = 0, inplace: bool = False) -> int:
+        """Predicted peak of one forward over `shape` = [(new tokens, prefix tokens)]."""
+        return predict_batch_peak_bytes(self.spec, [tuple(m) for m in shape], self.chunk_size, self.dtype, captured, inplace,
+                                        self.attention_backend, self.device, self.linear_backend)
+
 
 class PeakMemoryMeter:
     """Measures one request's peak memory growth on its device.

@@ -1,15 +1,19 @@
-"""A scoring request as data: what the scheduler queues and the runner computes.
+"""The engine's request record, from submit to answer, and the checks that build it.
 
-Engine.submit* validates and tokenizes in the caller's thread and builds a ScoreRequest; from
-there on the request is plain data (no closures), so the scheduler can group requests into one
-forward step and everything below can be tested without a model. The checks that turn a
-caller's arguments into a ScoreRequest live here too: each raises InvalidRequestError naming
-the bad argument.
+Engine.submit* validates and tokenizes in the caller's thread and builds one Request: the prompt
+as token ids, what to score, its cache keys, its priority and deadline, and the Future its answer
+goes to. The scheduler sees it as a Schedulable (scheduler/plan.py: token counts, block keys, and
+the arrival fields it writes); the runner reads its token ids; scheduler.finish answers it. It is
+plain data (no closures), so everything below the engine can be tested without a model. The
+checks that turn a caller's arguments into a Request live here too: each raises
+InvalidRequestError naming the bad argument.
 """
 
 from __future__ import annotations
 
 import numbers
+import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from .errors import InvalidRequestError, PromptTooLongError
@@ -17,20 +21,44 @@ from .errors import InvalidRequestError, PromptTooLongError
 ITEM_PLACEHOLDER = "{item}"
 
 
+class RequestFuture(Future):
+    """The Future submit() returns. started_at: time.monotonic() when the worker started the
+    request (None while it waits), so that a server can report queue wait."""
+
+    started_at: float | None = None
+
+
 @dataclass(eq=False)
-class ScoreRequest:
+class Request:
     token_ids: list[int]  # the prompt (of a multi-item request: the shared prompt)
     allowed_ids: list[int]  # output tokens to score, in the order asked
     top_k: int = 0  # also return the k most likely tokens of the whole vocabulary
     keep_len: int = 0  # leading tokens the prefix cache may keep (the cache boundary)
     namespace: str | None = None  # cache hits never cross namespaces
-    block_hashes: list[bytes] = field(default_factory=list)  # the prompt's prefix-cache keys, hashed once at submit
     item_ids: list[list[int]] | None = None  # multi-item: each item is scored as a suffix of token_ids
+    priority: int = 0  # higher runs first
+    deadline: float | None = None  # scheduler clock time after which it must not start
+    block_hashes: list[bytes] = field(default_factory=list)  # the prompt's prefix-cache keys (set at enqueue)
+    kept_blocks: int = 0  # leading blocks of block_hashes the cache may keep (set at enqueue)
+    future: RequestFuture = field(default_factory=RequestFuture)
+    # written by the scheduler when it queues the request
+    arrived: float = 0.0
+    seq: int = 0
+    frozen_estimate_s: float = 0.0
 
     @property
-    def total_tokens(self) -> int:
-        """Prompt tokens the request carries (a multi-item request: shared prompt + every item)."""
+    def prompt_tokens(self) -> int:
+        """Prompt tokens the request computes (a multi-item request: shared prompt + every item)."""
         return len(self.token_ids) + (sum(map(len, self.item_ids)) if self.item_ids else 0)
+
+    @property
+    def cache_tokens(self) -> int:
+        """Tokens the prefix cache sees: the prompt (of a multi-item request, the shared prompt)."""
+        return len(self.token_ids)
+
+    @property
+    def item_tokens(self) -> list[int] | None:
+        return [len(x) for x in self.item_ids] if self.item_ids is not None else None
 
     @property
     def rope_length(self) -> int:
@@ -44,6 +72,13 @@ class ScoreRequest:
         """A multi-item request is a step of its own: its shared prompt first, then its items
         batched over the shared K/V."""
         return self.item_ids is not None
+
+    def start(self) -> bool:
+        """The worker picked it: its Future runs (False: it was cancelled first)."""
+        if not self.future.set_running_or_notify_cancel():
+            return False
+        self.future.started_at = time.monotonic()
+        return True
 
 
 def check_top_k(top_k, vocab_size: int) -> int:

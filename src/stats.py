@@ -1,8 +1,8 @@
 """What the engine counts, and the snapshot Engine.stats() returns (for metrics, tests, benchmarks).
 
-EngineCounters is written by the engine's worker and the runner (each field has one writer at a
-time: the worker thread, or a caller thread under the engine's lock); EngineStats is a copy taken
-under the engine's lock, so a reader never sees a half-updated step.
+EngineCounters has one owner, the scheduler (it counts refusals at submit, cancellations, and each
+step's outcome in finish()), always under the engine's lock; EngineStats is a copy taken under
+that lock, so a reader never sees a half-updated step.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from prefillonly.prefix_io import PrefixKV
 from prefillonly.executor import ForwardBatch, HybridPrefillExecutor, Sequence
 from prefillonly.model_spec import ModelSpec
 from prefillonly.cache.index import PrefixIndex
-from prefillonly.scheduler import IndexPrefixView, JctEstimator, Scheduler, StepBudget, TokenSplit, WaitingRequest
+from prefillonly.scheduler import IndexPrefixView, JctEstimator, Scheduler, StepBudget, StepOutcome, TokenSplit, WaitingRequest
 from prefillonly.weights import ModelWeights
 
 from .conftest import FAMILY_CONFIGS
@@ -164,11 +164,27 @@ def _scheduler(policy="csjf", block=16, slots=4096):
     return Scheduler(policy, est, IndexPrefixView(index)), index
 
 
-def _finish(index, plan):
-    """The step ran: its kept blocks become matchable, its pins are released."""
-    for m in plan.members:
-        index.commit(m.ticket)
-    return [m.request for m in plan.members]
+def _step(sched, budget):
+    """The next step's plan within `budget`."""
+    sched.budget = budget
+    return sched.schedule()
+
+
+def _finish(sched, plan):
+    """The step ran (scheduler.finish with a result per member): its kept blocks become
+    matchable, its pins are released; the members, in step order."""
+    answers = sched.finish(plan, StepOutcome([None] * len(plan)))
+    return [a.request for a in answers]
+
+
+class TokensMemory:
+    """A StepMemory whose prediction is 1.5 bytes per uncached token, against 2,000 bytes."""
+
+    budget_bytes = 2000
+    inplace_supported = False
+
+    def peak_bytes(self, shape, captured=0, inplace=False):
+        return sum(s.uncached for s in shape) * 1.5
 
 
 def _req(tokens, hashes=(), keep=None, priority=0, alone=False):
@@ -177,7 +193,7 @@ def _req(tokens, hashes=(), keep=None, priority=0, alone=False):
                           priority=priority, runs_alone=alone)
 
 
-def test_pick_step_respects_the_token_budget_and_the_memory_check():
+def test_a_step_respects_the_token_budget_and_the_memory_check():
     """Every step's real (pinned) split fits both budgets; a step of one may be over them. Users
     share profiles (so groups, pins and the block rule all take part), and a small pool makes
     pins evict: the plan is checked on what the tickets found, not on the estimate."""
@@ -188,20 +204,19 @@ def test_pick_step_respects_the_token_budget_and_the_memory_check():
         for i in range(rng.randint(1, 30)):
             hashes = rng.choice(profiles) + [f"{trial}-{i}-{b}".encode() for b in range(rng.randint(0, 3))]
             sched.add(_req(rng.randint(len(hashes) * 16 + 1, len(hashes) * 16 + 600), hashes))
-        budget = StepBudget(rng.choice([1, 100, 512, 2048, 8192]),
-                            rng.choice([None, lambda m: sum(s.uncached for s in m) * 1.5 <= 2000]))
+        budget = StepBudget(rng.choice([1, 100, 512, 2048, 8192]), rng.choice([None, TokensMemory()]))
         while len(sched):
-            plan = sched.pick_step(budget)
+            plan = _step(sched, budget)
             assert plan
             for m in plan.members:  # the split is the ticket's truth
                 assert m.split == TokenSplit(m.request.prompt_tokens - m.ticket.cached_tokens, m.ticket.cached_tokens)
             if len(plan) > 1:  # a single request may be over either budget: it runs alone
                 assert budget.admits(plan.shape)
-            _finish(index, plan)
+            _finish(sched, plan)
         assert all(b.refs == 0 for b in index.blocks.values())  # every released or finished pin is gone
 
 
-def test_pick_step_follows_csjf_order_within_a_priority_class():
+def test_a_step_follows_csjf_order_within_a_priority_class():
     sched, index = _scheduler()
     long_cold = _req(3000)
     short = [_req(n) for n in (200, 150, 400)]
@@ -209,11 +224,11 @@ def test_pick_step_follows_csjf_order_within_a_priority_class():
     alone = _req(50, alone=True)
     for r in [long_cold, *short, vip, alone]:
         sched.add(r)
-    assert _finish(index, sched.pick_step(StepBudget(4096))) == [vip]  # priorities first, never mixed with another class
+    assert _finish(sched, _step(sched, StepBudget(4096))) == [vip]  # priorities first, never mixed with another class
     # shortest first; the multi-item request never shares a step; the long one does not fit
-    assert _finish(index, sched.pick_step(StepBudget(4096))) == [alone]
-    assert _finish(index, sched.pick_step(StepBudget(1000))) == [short[1], short[0], short[2]]
-    assert _finish(index, sched.pick_step(StepBudget(1000))) == [long_cold]  # over the budget: alone
+    assert _finish(sched, _step(sched, StepBudget(4096))) == [alone]
+    assert _finish(sched, _step(sched, StepBudget(1000))) == [short[1], short[0], short[2]]
+    assert _finish(sched, _step(sched, StepBudget(1000))) == [long_cold]  # over the budget: alone
 
 
 def test_requests_needing_the_same_uncached_blocks_are_not_batched():
@@ -228,24 +243,24 @@ def test_requests_needing_the_same_uncached_blocks_are_not_batched():
     other = _req(80, [b"u3-0"])
     for r in (first, same_profile, keeps_nothing, same_as_keeps_nothing, other):
         sched.add(r)
-    batch = _finish(index, sched.pick_step(StepBudget(4096)))  # the step commits the profile
+    batch = _finish(sched, _step(sched, StepBudget(4096)))  # the step commits the profile
     assert first in batch and other in batch and keeps_nothing in batch
     assert same_profile not in batch  # it waits for `first` to cache the profile
     # `keeps_nothing` caches nothing, so sharing its blocks saves nothing by waiting
     assert same_as_keeps_nothing in batch
     assert sched.split(same_profile) == (70 - 48, 48)
-    assert _finish(index, sched.pick_step(StepBudget(4096))) == [same_profile]
+    assert _finish(sched, _step(sched, StepBudget(4096))) == [same_profile]
 
 
 def test_fully_cached_identical_prompts_share_a_step():
     sched, index = _scheduler()
     keys = [b"p0", b"p1"]
     sched.add(_req(33, keys))
-    _finish(index, sched.pick_step(StepBudget(4096)))  # caches both blocks
+    _finish(sched, _step(sched, StepBudget(4096)))  # caches both blocks
     reqs = [_req(32, keys) for _ in range(5)]  # e.g. perf_analyzer repeating one prompt
     for r in reqs:
         sched.add(r)
-    assert _finish(index, sched.pick_step(StepBudget(4096))) == reqs
+    assert _finish(sched, _step(sched, StepBudget(4096))) == reqs
 
 
 def test_step_cost_model_recovers_its_coefficients():
@@ -275,16 +290,16 @@ class StepRecorder:
         self.engine, self.runner = engine, engine.runner
         self.release, self.started = threading.Event(), threading.Event()
         self.steps = []  # per step: [(uncached, cached, first computed block, keeps it)]
-        self._run = engine.runner.run
-        engine.runner.run = self.run
+        self._execute = engine.runner.execute
+        engine.runner.execute = self.execute
 
-    def run(self, members):
+    def execute(self, plan):
         self.steps.append([(m.split.uncached, m.split.cached, m.ticket.new[0].hash if m.ticket and m.ticket.new else None)
-                           for m in members])
+                           for m in plan.members])
         if len(self.steps) == 1:
             self.started.set()
             self.release.wait(30)
-        return self._run(members)
+        return self._execute(plan)
 
 
 def test_engine_batches_and_matches_unbatched_results(family_folders):
@@ -320,7 +335,7 @@ def test_engine_batches_and_matches_unbatched_results(family_folders):
     for members in rec.steps:
         if len(members) > 1:
             assert sum(u for u, _, _ in members) <= 600
-            assert engine.runner.fits([TokenSplit(u, c) for u, c, _ in members])
+            assert engine.scheduler.budget.fits_memory([TokenSplit(u, c) for u, c, _ in members])
         computed = [h for _, _, h in members if h is not None]
         assert len(computed) == len(set(computed)), "a block computed twice in one step"
     # every user's later requests found the profile its first one cached
@@ -401,11 +416,11 @@ def _fail_once(obj, name: str, error: Exception) -> None:
 
 def test_a_failing_step_answers_its_requests_and_the_worker_keeps_serving(family_folders):
     with _engine(family_folders["llama_gqa_llama3rope_untied"]) as engine:
-        _fail_once(engine.runner, "prepare", RuntimeError("cache exploded"))
+        _fail_once(engine.cache, "execute", RuntimeError("cache exploded"))
         with pytest.raises(RuntimeError, match="cache exploded"):
             engine.submit([1, 2, 3], [5]).result(30)  # a dead worker would time out here
         assert engine.stats().counters.failed["RuntimeError"] == 1
-        _fail_once(engine.scheduler, "pick_step", RuntimeError("scheduler exploded"))
+        _fail_once(engine.scheduler, "schedule", RuntimeError("scheduler exploded"))
         with pytest.raises(RuntimeError, match="scheduler exploded"):
             engine.submit([1, 2, 4], [5]).result(30)
         assert engine.stats().counters.failed["RuntimeError"] == 2

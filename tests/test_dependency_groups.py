@@ -38,7 +38,7 @@ def request(profile: list[bytes], own: str, new_tokens: int, keep_profile=True, 
 def run_alone(sched, index, clock=None, step_s=None):
     """Pick one request (a step of one), 'run' it (commit its ticket; advance the clock by its
     estimate), return it with its real split."""
-    plan = sched.pick_step(StepBudget(1))
+    plan = sched.schedule()  # the default budget: one request per step
     (m,) = plan.members
     index.commit(m.ticket)
     if clock is not None:
@@ -121,12 +121,12 @@ def test_followers_join_the_step_after_the_leaders_as_warm_requests():
     group = [request(profile, f"p{i}", 30) for i in range(6)]
     for r in group:
         sched.add(r)
-    budget = StepBudget(4096)
-    first = sched.pick_step(budget)
+    sched.budget = StepBudget(4096)
+    first = sched.schedule()
     assert len(first) == 1 and first.members[0].split == TokenSplit(40 * BLOCK + 30, 0)  # the leader alone
     for m in first.members:
         index.commit(m.ticket)
-    second = sched.pick_step(budget)
+    second = sched.schedule()
     assert len(second) == 5 and all(m.split == TokenSplit(30, 40 * BLOCK) for m in second.members)
 
 

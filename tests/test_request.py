@@ -1,4 +1,4 @@
-"""A request as data: the argument checks that build a ScoreRequest, without a model."""
+"""A request as data: the engine's Request record and the argument checks that build it, without a model."""
 
 from __future__ import annotations
 
@@ -7,15 +7,24 @@ import pytest
 from prefillonly import InvalidRequestError, PromptTooLongError
 from prefillonly.limits import RequestLimits
 from prefillonly.prompts import PromptEncoder
-from prefillonly.request import (ScoreRequest, check_cache_prefix_len, check_deadline, check_item_template, check_length,
+from prefillonly.request import (Request, check_cache_prefix_len, check_deadline, check_item_template, check_length,
                                  check_namespace, check_priority, check_top_k)
 
 
-def test_score_request_counts_items_and_runs_multi_item_alone():
-    plain = ScoreRequest([1, 2, 3], [5])
-    items = ScoreRequest([1, 2, 3], [5], item_ids=[[7], [8, 9]])
-    assert plain.total_tokens == 3 and not plain.runs_alone
-    assert items.total_tokens == 6 and items.runs_alone
+def test_request_counts_items_and_runs_multi_item_alone():
+    plain = Request([1, 2, 3], [5])
+    items = Request([1, 2, 3], [5], item_ids=[[7], [8, 9]])
+    assert plain.prompt_tokens == 3 and plain.cache_tokens == 3 and plain.item_tokens is None and not plain.runs_alone
+    assert items.prompt_tokens == 6 and items.cache_tokens == 3 and items.item_tokens == [1, 2] and items.runs_alone
+
+
+def test_request_starts_once_unless_cancelled():
+    """start() is the scheduler's pick: the Future runs (with its start time), or the request was
+    cancelled while it waited and is dropped."""
+    r = Request([1], [5])
+    assert r.future.started_at is None and r.start() and r.future.running() and r.future.started_at is not None
+    cancelled = Request([1], [5])
+    assert cancelled.future.cancel() and not cancelled.start()
 
 
 @pytest.mark.parametrize("value,ok", [(0, True), (7, True), (100, True), (101, False), (-1, False), (True, False), (2.0, False), ("3", False)])

@@ -13,7 +13,7 @@ import pytest
 
 from prefillonly import DeadlineExceededError, Engine, EngineClosedError, EngineConfig, OverloadedError
 from prefillonly.cache.index import IndexTicket
-from prefillonly.scheduler import JctEstimator, Scheduler, StepBudget, WaitingRequest
+from prefillonly.scheduler import JctEstimator, Scheduler, WaitingRequest
 
 
 class FakeClock:
@@ -47,6 +47,9 @@ class UserPrefix:
     def begin(self, req):
         return IndexTicket(cached_tokens=min(self.cached_tokens(req), req.cache_tokens - 1), matched=[], new=[]), []
 
+    def commit(self, ticket):
+        pass
+
     def abort(self, ticket):
         pass
 
@@ -60,7 +63,7 @@ def make(policy, cached=None, **kw):
 
 def pick(s):
     """The next request alone (a step of one), or None."""
-    plan = s.pick_step(StepBudget(1))
+    plan = s.schedule()  # the default budget: one request per step
     return plan.members[0].request if plan else None
 
 
@@ -175,15 +178,15 @@ def engine(family_folders):
 def hold_worker(engine):
     """Occupy the worker: its next step (a 3-token request) waits for the returned event."""
     release, started = threading.Event(), threading.Event()
-    real_run = engine.runner.run
+    real_run = engine.runner.execute
 
     def held_run(step):
-        engine.runner.run = real_run  # only this step is held
+        engine.runner.execute = real_run  # only this step is held
         started.set()
         release.wait(10)
         return real_run(step)
 
-    engine.runner.run = held_run
+    engine.runner.execute = held_run
     fut = engine.submit([1, 2, 3], [5])
     assert started.wait(10)
     return release, fut

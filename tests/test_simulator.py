@@ -1,5 +1,5 @@
 """perf/simulate.py: the discrete-event scheduler simulation. Fast; no model (the engine's
-Scheduler and PrefixIndex with a cost model, batched steps through Scheduler.pick_step)."""
+Scheduler and PrefixIndex with a cost model, batched steps through Scheduler.schedule and finish)."""
 
 from __future__ import annotations
 

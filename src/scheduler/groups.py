@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 
-from .plan import TokenSplit, WaitingRequest
+from .plan import TokenSplit, Schedulable
 
 
 def shared_blocks(a: list[bytes], b: list[bytes], start: int, stop: int) -> int:
@@ -47,19 +47,19 @@ def shared_blocks(a: list[bytes], b: list[bytes], start: int, stop: int) -> int:
     return lo - start
 
 
-def group_costs(waiting: list[WaitingRequest], block_size: int, cached_blocks: Callable[[WaitingRequest], int],
-                estimate: Callable[[WaitingRequest], float], predict: Callable[[TokenSplit], float],
-                credit_s: Callable[[float], float]) -> dict[WaitingRequest, float]:
+def group_costs(waiting: list[Schedulable], block_size: int, cached_blocks: Callable[[Schedulable], int],
+                estimate: Callable[[Schedulable], float], predict: Callable[[TokenSplit], float],
+                credit_s: Callable[[float], float]) -> dict[Schedulable, float]:
     """{leader: its group cost} for every group with followers (docstring above). cached_blocks(r):
     r's leading blocks cached now; estimate(r): r's JCT estimate against the cache now;
     predict(split): the JCT estimate of a split; credit_s(arrived): the starvation credit of a
     request that arrived then."""
-    groups: dict[tuple[int, bytes], list[tuple[WaitingRequest, int]]] = defaultdict(list)
+    groups: dict[tuple[int, bytes], list[tuple[Schedulable, int]]] = defaultdict(list)
     for r in waiting:
         i = cached_blocks(r)
         if i < len(r.block_hashes):
             groups[(r.priority, r.block_hashes[i])].append((r, i))
-    out: dict[WaitingRequest, float] = {}
+    out: dict[Schedulable, float] = {}
     for members in groups.values():
         if len(members) < 2:
             continue

@@ -1,28 +1,34 @@
-"""The typed objects that cross the scheduler -> runner boundary (tensor-free).
+"""The typed objects of one step's three calls (tensor-free):
 
-    WaitingRequest[P]  one queued request as the scheduler sees it (token counts, block keys,
-                       priority, deadline) plus the caller's payload P (the engine's: a Future
-                       and its ScoreRequest; the simulator's: a trace request)
-    TokenSplit         (uncached, cached) tokens of one prompt against the prefix cache
-    StepBudget         what one forward step may hold: a token budget and a memory check
-    StepPlan[P]        the scheduler's decision for one step: its members, each with the
-                       prefix-cache ticket pinned while it was picked, and the cache's data moves
-                       (tier restores, offloads) to execute before the forward
+    plan = scheduler.schedule()                  # StepPlan: who runs, pinned, and how (memory decided)
+    outcome = runner.execute(plan)               # StepOutcome: results, or the step's one error
+    answers = scheduler.finish(plan, outcome)    # tickets committed / aborted, counters, one Answer each
 
-The plan is final: every member fits the step's budgets with its real (pinned) split, so the
-runner computes it as given and nothing is handed back.
+    Schedulable    what the scheduler reads of a request (token counts, block keys, priority,
+                   deadline) and writes into it (arrival, sequence number); the engine's Request
+                   (request.py) and the simulator's records are Schedulables
+    WaitingRequest the plain Schedulable (the simulator's and the tests')
+    TokenSplit     (uncached, cached) tokens of one prompt against the prefix cache
+    StepMemory     the activation-memory model the scheduler checks steps against
+    StepBudget     what one step may hold: a token budget and that memory model
+    StepPlan       the step: its members, each with its pinned prefix-cache ticket, the cache's
+                   data moves to execute first, how attention runs (in place or not) and, for a
+                   multi-item request, how its items are grouped; plus the requests the scheduler
+                   answered without running them (expired, too big)
+    StepOutcome    what the runner hands back
+    Answer         one request's result or error, to deliver
+
+The plan is final: every decision (members, splits, memory, item groups) is made by the
+scheduler; the runner computes it as given and never refuses.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:  # the cache index is tensor-free, but its package imports torch
     from ..cache.index import IndexTicket, Move
-
-P = TypeVar("P")
 
 
 class TokenSplit(NamedTuple):
@@ -32,49 +38,105 @@ class TokenSplit(NamedTuple):
     cached: int
 
 
-@dataclass(eq=False)
-class WaitingRequest(Generic[P]):
+class Schedulable(Protocol):
     prompt_tokens: int  # every token the request computes (a multi-item request: shared prompt + items)
-    block_hashes: list = field(default_factory=list)  # the (shared) prompt's prefix-cache keys, hashed once
+    cache_tokens: int  # tokens the prefix cache sees (a multi-item request: the shared prompt)
+    block_hashes: list  # the (shared) prompt's prefix-cache keys, hashed once
+    kept_blocks: int  # leading blocks of block_hashes the request will keep in the cache
+    runs_alone: bool  # never batched with other requests (multi-item)
+    item_tokens: list[int] | None  # a multi-item request's item lengths (None: a plain prompt)
+    priority: int
+    deadline: float | None  # clock() time after which it must not start
+    # written by the scheduler when it is added
+    arrived: float
+    seq: int
+    frozen_estimate_s: float  # SJF's estimate, taken at arrival
+
+    def start(self) -> bool:
+        """Called once when the request is picked: False if it was cancelled meanwhile (dropped)."""
+
+
+@dataclass(eq=False)
+class WaitingRequest:
+    """A Schedulable made of plain fields (the engine's own record is request.Request)."""
+
+    prompt_tokens: int
+    block_hashes: list = field(default_factory=list)
     priority: int = 0
-    deadline: float | None = None  # clock() time after which it must not start
-    payload: P | None = None  # what the caller runs when it is picked; opaque to the scheduler
-    kept_blocks: int = 0  # leading blocks of block_hashes the request will keep in the cache
-    runs_alone: bool = False  # never batched with other requests (e.g. multi-item)
-    cache_prompt_tokens: int | None = None  # tokens the prefix cache sees (multi-item: the shared prompt); None = prompt_tokens
+    deadline: float | None = None
+    kept_blocks: int = 0
+    runs_alone: bool = False
+    cache_prompt_tokens: int | None = None  # None = prompt_tokens
+    item_tokens: list[int] | None = None
     arrived: float = 0.0
     seq: int = 0
-    frozen_estimate_s: float = 0.0  # SJF's estimate, taken at arrival
+    frozen_estimate_s: float = 0.0
 
     @property
     def cache_tokens(self) -> int:
         return self.prompt_tokens if self.cache_prompt_tokens is None else self.cache_prompt_tokens
 
+    def start(self) -> bool:
+        return True
+
+
+class StepMemory(Protocol):
+    """The activation-memory model (memory.ActivationBudget on the engine)."""
+
+    budget_bytes: int
+    inplace_supported: bool  # whether attention can be written over Q to save a tensor
+
+    def peak_bytes(self, shape: list[TokenSplit], captured: int = 0, inplace: bool = False) -> int:
+        """Predicted peak of one forward over `shape`, holding `captured` tokens of K/V besides."""
+
 
 @dataclass(frozen=True)
 class StepBudget:
-    """tokens: uncached tokens one step may pack. fits(shape): whether a step of these splits
-    fits the memory budget (None: no memory check). A step's first member always runs, alone
-    if it is over either budget (the runner then decides how, or refuses it with a clear error)."""
+    """tokens: uncached tokens one step may pack. memory: the activation budget (None: no memory
+    check, the simulator's). A step's first member always runs, alone if it is over the token
+    budget; one over the memory budget runs with attention in place, or is refused."""
 
     tokens: int
-    fits: Callable[[list[TokenSplit]], bool] | None = None
+    memory: StepMemory | None = None
 
-    def admits(self, shape: list[TokenSplit]) -> bool:
-        return sum(s.uncached for s in shape) <= self.tokens and (self.fits is None or self.fits(shape))
+    def admits(self, shape: list[TokenSplit], captured: int = 0, inplace: bool = False) -> bool:
+        return sum(s.uncached for s in shape) <= self.tokens and self.fits_memory(shape, captured, inplace)
+
+    def fits_memory(self, shape: list[TokenSplit], captured: int = 0, inplace: bool = False) -> bool:
+        return self.memory is None or self.memory.peak_bytes(shape, captured, inplace) <= self.memory.budget_bytes
 
 
 @dataclass(eq=False)
-class StepMember(Generic[P]):
-    request: WaitingRequest[P]
+class StepMember:
+    request: Schedulable
     split: TokenSplit  # as its ticket found the cache (the truth, not an estimate)
     ticket: IndexTicket | None  # pinned prefix + reserved blocks to keep; None without a cache
 
 
+@dataclass(frozen=True)
+class ItemsPlan:
+    """How a multi-item request runs: its shared prompt once (K/V captured), then its items in
+    `groups` (item indices per forward) over that K/V."""
+
+    shared_inplace: bool
+    items_inplace: bool
+    groups: list[list[int]]
+
+
 @dataclass(eq=False)
-class StepPlan(Generic[P]):
-    members: list[StepMember[P]] = field(default_factory=list)
+class Answer:
+    request: Schedulable
+    result: Any = None  # a ScoreResult (multi-item: a list of them)
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class StepPlan:
+    members: list[StepMember] = field(default_factory=list)
     moves: list[Move] = field(default_factory=list)  # the cache's data moves, in order, before the forward
+    inplace_attention: bool = False  # a lone member that fits only with attention written over Q
+    items: ItemsPlan | None = None  # the lone member is a multi-item request: how it runs
+    refused: list[Answer] = field(default_factory=list)  # answered without running (counted already)
 
     def __bool__(self) -> bool:
         return bool(self.members)
@@ -89,3 +151,11 @@ class StepPlan(Generic[P]):
     @property
     def tokens(self) -> int:
         return sum(m.split.uncached for m in self.members)
+
+
+@dataclass
+class StepOutcome:
+    results: list = field(default_factory=list)  # one per member, in step order (empty if the step failed)
+    error: BaseException | None = None  # the step failed: every member fails with it
+    item_tokens: int = 0  # of which items of a multi-item request (they never go through the cache)
+    forward_s: float | None = None  # a batch forward's measured time (the JCT fit's sample); None: none taken

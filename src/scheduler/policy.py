@@ -13,14 +13,20 @@
          kept to compare against.
 A request's `priority` (higher first) comes before the policy; the policy orders a class.
 
-A step (pick_step): one forward computes several requests packed together. The step is filled in
+A step (schedule): one forward computes several requests packed together. The step is filled in
 the policy's order, within one priority class; each candidate is pinned in the prefix cache as it
 is picked (PrefixView.begin), so its real split is what the step's budgets (StepBudget: uncached
 tokens, and the predicted peak of the step's workspace plan against the activation budget) are
 checked against, and a candidate that does not fit is released at once. The first request
-always runs, alone if it is over either budget. Two requests that would compute the same
+always runs: alone if it is over the token budget; over the memory budget with attention in
+place, or refused (one that could not fit even with nothing cached was refused at add()). Two requests that would compute the same
 not-yet-cached blocks never share a step: the second waits one step and then finds them cached.
-The plan that comes out is final (plan.py).
+
+The step's three calls (plan.py): schedule() takes the expired requests out (answered, not run),
+picks the step, drops members cancelled meanwhile and decides how the lone member runs within the
+activation budget (forward_plan.py); finish() commits or aborts every member's cache ticket and
+counts the outcome. The scheduler is the one owner of the prefix-cache tickets (through its
+PrefixView) and of the request counters.
 """
 
 from __future__ import annotations
@@ -29,10 +35,12 @@ import itertools
 import time
 from collections.abc import Callable
 
-from ..errors import OverloadedError
+from ..errors import DeadlineExceededError, OverloadedError, PrefillOnlyError
+from ..stats import EngineCounters
+from .forward_plan import attention_in_place, plan_items
 from .groups import group_costs
 from .jct import JctEstimator
-from .plan import StepBudget, StepMember, StepPlan, TokenSplit, WaitingRequest
+from .plan import Answer, Schedulable, StepBudget, StepMember, StepOutcome, StepPlan, TokenSplit
 from .prefix_view import NoPrefixCache, PrefixView
 
 POLICIES = ("fcfs", "sjf", "csjf", "csjf-independent")
@@ -45,27 +53,37 @@ class Scheduler:
     """The waiting set and the pick. Not thread-safe: the engine calls it under its lock, from
     its worker (the only thread that changes the prefix cache)."""
 
-    def __init__(self, policy: str, estimator: JctEstimator, prefix: PrefixView | None = None,
-                 max_waiting: int = DEFAULT_MAX_WAITING, lambda_tokens_per_s: float = DEFAULT_LAMBDA_TOKENS_PER_S,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, policy: str, estimator: JctEstimator, prefix: PrefixView | None = None, *,
+                 budget: StepBudget = StepBudget(1), max_waiting: int = DEFAULT_MAX_WAITING,
+                 lambda_tokens_per_s: float = DEFAULT_LAMBDA_TOKENS_PER_S, clock: Callable[[], float] = time.monotonic):
+        """budget: what one step may hold (default one request per step, no memory check)."""
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {', '.join(POLICIES)}")
         self.policy = policy
         self.estimator = estimator
+        self.budget = budget
         self.prefix = prefix or NoPrefixCache()
         self.block_size = self.prefix.block_size  # 0: no cache, no block conflicts, no groups
         self.max_waiting = max_waiting
         self.lambda_tokens_per_s = lambda_tokens_per_s
         self.clock = clock
-        self._waiting: list[WaitingRequest] = []
+        self.counters = EngineCounters()
+        self._waiting: list[Schedulable] = []
         self._seq = itertools.count()
 
     def __len__(self) -> int:
         return len(self._waiting)
 
-    def add(self, req: WaitingRequest) -> None:
-        if len(self._waiting) >= self.max_waiting:
-            raise OverloadedError(f"overloaded: {len(self._waiting)} requests already waiting (max_waiting {self.max_waiting}); retry later")
+    def add(self, req: Schedulable) -> None:
+        """Queue a request; raises (and counts as rejected) when the waiting set is full or the
+        request could not fit the activation budget even with nothing cached."""
+        try:
+            if len(self._waiting) >= self.max_waiting:
+                raise OverloadedError(f"overloaded: {len(self._waiting)} requests already waiting (max_waiting {self.max_waiting}); retry later")
+            self._plan_forward(req, cached=0)
+        except PrefillOnlyError as e:
+            self.counters.rejected[e.code] += 1
+            raise
         req.arrived = self.clock()
         req.seq = next(self._seq)
         if self.policy == "sjf":
@@ -73,7 +91,7 @@ class Scheduler:
         self._waiting.append(req)
 
     # -- estimates ---------------------------------------------------------------------------
-    def split(self, req: WaitingRequest, cached_tokens: int | None = None) -> TokenSplit:
+    def split(self, req: Schedulable, cached_tokens: int | None = None) -> TokenSplit:
         """The request's tokens against the cache as it is now (at least one token is always
         computed); `cached_tokens`: the cache's answer if already asked during this pick."""
         if cached_tokens is None:
@@ -81,21 +99,21 @@ class Scheduler:
         cached = min(cached_tokens, req.cache_tokens - 1)
         return TokenSplit(req.prompt_tokens - cached, cached)
 
-    def estimate(self, req: WaitingRequest, cached_tokens: int | None = None) -> float:
+    def estimate(self, req: Schedulable, cached_tokens: int | None = None) -> float:
         return self.estimator.predict(*self.split(req, cached_tokens))
 
     def credit_s(self, arrived: float, now: float) -> float:
         """CSJF's starvation credit of a request that arrived at `arrived`, in seconds."""
         return self.lambda_tokens_per_s * self.estimator.seconds_per_token * (now - arrived)
 
-    def cost(self, req: WaitingRequest, now: float, cached_tokens: int | None = None) -> float:
+    def cost(self, req: Schedulable, now: float, cached_tokens: int | None = None) -> float:
         if self.policy == "fcfs":
             return float(req.seq)
         if self.policy == "sjf":
             return req.frozen_estimate_s
         return self.estimate(req, cached_tokens) - self.credit_s(req.arrived, now)
 
-    def order(self) -> list[WaitingRequest]:
+    def order(self) -> list[Schedulable]:
         """Every waiting request in the policy's order (the next step is filled from the front)."""
         now = self.clock()
         if not (self.policy == "csjf" and self.block_size):
@@ -109,14 +127,62 @@ class Scheduler:
             costs[leader] = min(costs[leader], group_cost)
         return sorted(self._waiting, key=lambda r: (-r.priority, costs[r], r.seq))
 
-    # -- the pick ----------------------------------------------------------------------------
-    def pick_step(self, budget: StepBudget) -> StepPlan:
-        """Remove the requests of the next forward step from the waiting set and return them
-        pinned, in the policy's order (an empty plan if nothing waits); see the module
-        docstring for the rules."""
+    # -- the step's three calls: schedule, (the runner's execute), finish ---------------------------
+    def schedule(self) -> StepPlan:
+        """The next step: the expired requests taken out and answered (plan.refused), the members
+        picked and pinned in the policy's order, those cancelled meanwhile dropped, and how the
+        lone member runs decided (an empty plan if nothing is left to run)."""
         plan = StepPlan()
+        for req in self.take_expired():
+            self._refuse(plan, req, DeadlineExceededError("deadline passed while the request waited; it was not run"))
+        self._pick(plan)
+        for m in list(plan.members):
+            if not m.request.start():  # cancelled between its pick and now
+                self._release(plan, m)
+        if len(plan.members) == 1:
+            self._plan_lone_member(plan)
+        return plan
+
+    def finish(self, plan: StepPlan, outcome: StepOutcome) -> list[Answer]:
+        """The step ran: each member's ticket committed (its kept blocks become matchable) or, if
+        the step failed, aborted; the outcome counted and the forward's time fed to the JCT
+        estimate; one Answer per member, in step order."""
+        for m in plan.members:
+            if m.ticket is not None:
+                (self.prefix.abort if outcome.error is not None else self.prefix.commit)(m.ticket)
+        if outcome.error is not None:
+            self.counters.failed[error_code(outcome.error)] += len(plan.members)
+            return [Answer(m.request, error=outcome.error) for m in plan.members]
+        self.counters.completed += len(plan.members)
+        self.counters.item_tokens_computed += outcome.item_tokens
+        if outcome.forward_s is not None:
+            self.estimator.observe_step(plan.shape, outcome.forward_s)
+        return [Answer(m.request, result=r) for m, r in zip(plan.members, outcome.results)]
+
+    def fail_all(self, error: BaseException) -> list[Answer]:
+        """The scheduler itself failed: every waiting request (not cancelled) fails with `error`."""
+        answers = [Answer(r, error=error) for r in self.drain() if r.start()]
+        self.counters.failed[error_code(error)] += len(answers)
+        return answers
+
+    def refuse_all(self, error: PrefillOnlyError) -> list[Answer]:
+        """The engine closes: every waiting request (not cancelled) is refused with `error`."""
+        answers = [Answer(r, error=error) for r in self.drain() if r.start()]
+        self.counters.rejected[error.code] += len(answers)
+        return answers
+
+    def cancel(self, req: Schedulable) -> None:
+        """The caller cancelled a request: out of the waiting set (if it still waits), counted."""
+        if self.remove(req):
+            self.counters.cancelled += 1
+
+    # -- the pick ----------------------------------------------------------------------------
+    def _pick(self, plan: StepPlan) -> None:
+        """Move the requests of the next forward step from the waiting set into `plan`, pinned, in
+        the policy's order; see the module docstring for the rules."""
+        budget = self.budget
         if not self._waiting:
-            return plan
+            return
         order = self.order()
         first = order[0]
         self._admit(first, plan)
@@ -140,9 +206,31 @@ class Scheduler:
                 self._note_computed(member, computing)
         for m in plan.members:
             self._waiting.remove(m.request)
-        return plan
 
-    def _admit(self, req: WaitingRequest, plan: StepPlan) -> StepMember:
+    def _plan_lone_member(self, plan: StepPlan) -> None:
+        """A step of one may be over the memory budget: in place, or refused (its ticket released)."""
+        member = plan.members[0]
+        try:
+            plan.inplace_attention, plan.items = self._plan_forward(member.request, member.split.cached)
+        except PrefillOnlyError as e:
+            self._release(plan, member)
+            self._refuse(plan, member.request, e, started=True)
+            return
+        self.counters.inplace_attention += plan.inplace_attention + (
+            plan.items.shared_inplace + plan.items.items_inplace if plan.items else 0)
+
+    def _plan_forward(self, req: Schedulable, cached: int):
+        """(attention in place, ItemsPlan or None) for `req` run alone with `cached` tokens read."""
+        if req.item_tokens is not None:
+            return False, plan_items(self.budget, req.cache_tokens, cached, req.item_tokens)
+        return attention_in_place(self.budget, [TokenSplit(req.prompt_tokens - cached, cached)]), None
+
+    def _refuse(self, plan: StepPlan, req: Schedulable, error: PrefillOnlyError, started: bool = False) -> None:
+        if started or req.start():
+            self.counters.rejected[error.code] += 1
+            plan.refused.append(Answer(req, error=error))
+
+    def _admit(self, req: Schedulable, plan: StepPlan) -> StepMember:
         ticket, moves = self.prefix.begin(req)
         plan.moves += moves  # kept even if the member is released: the index already moved the blocks
         cached = ticket.cached_tokens if ticket is not None else 0
@@ -152,9 +240,10 @@ class Scheduler:
 
     def _release(self, plan: StepPlan, member: StepMember) -> None:
         plan.members.remove(member)
-        self.prefix.abort(member.ticket)
+        if member.ticket is not None:
+            self.prefix.abort(member.ticket)
 
-    def _first_computed_block(self, req: WaitingRequest) -> bytes | None:
+    def _first_computed_block(self, req: Schedulable) -> bytes | None:
         """The hash of the first uncached block of the request (None: every block is cached).
         Two requests compute a common block only if they share every block before it, so they
         compute a common block exactly when their first computed blocks are equal."""
@@ -169,20 +258,25 @@ class Scheduler:
             computing.add(member.ticket.new[0].hash)
 
     # -- the rest of the waiting set's life --------------------------------------------------------
-    def remove(self, req: WaitingRequest) -> bool:
+    def remove(self, req: Schedulable) -> bool:
         try:
             self._waiting.remove(req)
             return True
         except ValueError:
             return False
 
-    def take_expired(self) -> list[WaitingRequest]:
+    def take_expired(self) -> list[Schedulable]:
         now = self.clock()
         expired = [r for r in self._waiting if r.deadline is not None and r.deadline <= now]
         for r in expired:
             self._waiting.remove(r)
         return expired
 
-    def drain(self) -> list[WaitingRequest]:
+    def drain(self) -> list[Schedulable]:
         out, self._waiting = self._waiting, []
         return out
+
+
+def error_code(error: BaseException) -> str:
+    """What the counters file an error under: its code, else its type's name."""
+    return getattr(error, "code", type(error).__name__)

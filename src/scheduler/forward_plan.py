@@ -1,0 +1,55 @@
+"""How a step's lone member runs within the activation budget (tensor-free): the scheduler's
+memory decisions beyond which requests share a step.
+
+    attention_in_place(budget, shape, captured)    False if the step fits with attention out of
+                                                   place, True if only in place, else OverBudgetError
+    plan_items(budget, shared, cached, items)      a multi-item request: the shared prompt's mode,
+                                                   the items' mode and their grouping per forward
+
+The same functions answer at submit (Scheduler.add, with nothing cached: the worst case) and at
+pick time (on the member's real split), so a prompt that can never fit is refused before it waits.
+"""
+
+from __future__ import annotations
+
+from ..errors import OverBudgetError
+from .plan import ItemsPlan, StepBudget, TokenSplit
+
+
+def attention_in_place(budget: StepBudget, shape: list[TokenSplit], captured: int = 0) -> bool:
+    """Whether one forward over `shape` must write attention over Q (CPU: slower, no second
+    [S, q_width] tensor) to fit the activation budget; OverBudgetError if it fits neither way."""
+    if budget.fits_memory(shape, captured):
+        return False
+    memory = budget.memory
+    if memory.inplace_supported and budget.fits_memory(shape, captured, inplace=True):
+        return True
+    need = memory.peak_bytes(shape, captured, memory.inplace_supported)
+    tokens = sum(s.uncached + s.cached for s in shape)
+    raise OverBudgetError(
+        f"a {tokens}-token prompt needs ~{need / 2**20:.1f} MiB of activation memory, over the budget of "
+        f"{memory.budget_bytes / 2**20:.1f} MiB (raise activation_budget_bytes or lower chunk_size)")
+
+
+def plan_items(budget: StepBudget, shared_tokens: int, cached: int, items: list[int]) -> ItemsPlan:
+    """The shared prompt once (its K/V held for the request, counted like a capture of its size),
+    then consecutive items per forward while their tokens fit the token budget and the step's
+    prediction (each item reads the shared K/V as its prefix) fits the memory budget; items that
+    need attention in place run one per forward."""
+    shared_inplace = attention_in_place(budget, [TokenSplit(shared_tokens - cached, cached)], captured=shared_tokens)
+    items_inplace = attention_in_place(budget, [TokenSplit(max(items), shared_tokens)], captured=shared_tokens)
+    groups: list[list[int]] = []
+    group: list[int] = []
+    tokens = 0
+    for j, n in enumerate(items):
+        candidate = [TokenSplit(items[g], shared_tokens) for g in group] + [TokenSplit(n, shared_tokens)]
+        if group and not items_inplace and tokens + n <= budget.tokens and \
+                budget.fits_memory(candidate, captured=shared_tokens):
+            group.append(j)
+            tokens += n
+        else:
+            if group:
+                groups.append(group)
+            group, tokens = [j], n
+    groups.append(group)
+    return ItemsPlan(shared_inplace, items_inplace, groups)
