@@ -12,11 +12,12 @@ from concurrent.futures import CancelledError, ThreadPoolExecutor
 import pytest
 import torch
 
-from prefillonly import DeadlineExceededError, Engine, EngineConfig
+from prefillonly import DeadlineExceededError, Engine, EngineConfig, OverBudgetError
 from prefillonly.prefix_io import PrefixKV
 from prefillonly.executor import ForwardBatch, HybridPrefillExecutor, Sequence
 from prefillonly.model_spec import ModelSpec
 from prefillonly.cache.index import PrefixIndex
+from prefillonly.scheduler.forward_plan import plan_items
 from prefillonly.scheduler import IndexPrefixView, JctEstimator, Scheduler, StepBudget, StepOutcome, TokenSplit, WaitingRequest
 from prefillonly.weights import ModelWeights
 
@@ -261,6 +262,52 @@ def test_fully_cached_identical_prompts_share_a_step():
     for r in reqs:
         sched.add(r)
     assert _finish(sched, _step(sched, StepBudget(4096))) == reqs
+
+
+class InPlaceMemory(TokensMemory):
+    """TokensMemory where writing attention over Q halves the prediction."""
+
+    inplace_supported = True
+
+    def peak_bytes(self, shape, captured=0, inplace=False):
+        return (super().peak_bytes(shape) + captured) / (2 if inplace else 1)
+
+
+def test_the_scheduler_decides_a_lone_members_memory_and_refuses_what_never_fits():
+    """Out of place when it fits, in place when only that fits (counted), and a prompt that fits
+    neither way with nothing cached is refused at add(), counted as rejected, never queued."""
+    sched, index = _scheduler()
+    sched.budget = StepBudget(8192, InPlaceMemory())
+    fits, in_place, never = _req(1000), _req(2000), _req(3000)  # 1,500 / 3,000 / 4,500 bytes against 2,000
+    sched.add(fits)
+    sched.add(in_place)
+    with pytest.raises(OverBudgetError, match="over the budget"):
+        sched.add(never)
+    assert len(sched) == 2 and sched.counters.rejected["over_memory_budget"] == 1
+    first = sched.schedule()
+    assert [m.request for m in first.members] == [fits] and not first.inplace_attention
+    _finish(sched, first)
+    second = sched.schedule()
+    assert [m.request for m in second.members] == [in_place] and second.inplace_attention
+    assert sched.counters.inplace_attention == 1
+    _finish(sched, second)
+    assert sched.counters.completed == 2
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_item_groups_keep_order_and_both_budgets(seed):
+    """plan_items: every item exactly once, in order; a group of several fits the token budget
+    and (its items each reading the shared prompt, held as a capture) the memory budget."""
+    rng = random.Random(seed)
+    items = [rng.randint(1, 400) for _ in range(rng.randint(1, 30))]
+    shared = rng.randint(1, 300)
+    budget = StepBudget(rng.choice([1, 300, 1000, 4096]), rng.choice([None, InPlaceMemory()]))
+    plan = plan_items(budget, shared, 0, items)
+    assert [j for g in plan.groups for j in g] == list(range(len(items)))
+    for g in plan.groups:
+        if len(g) > 1:
+            shape = [TokenSplit(items[j], shared) for j in g]
+            assert budget.admits(shape, captured=shared) and not plan.items_inplace
 
 
 def test_step_cost_model_recovers_its_coefficients():
