@@ -66,3 +66,12 @@ def test_engine_config_is_the_one_home_of_the_defaults():
     assert EngineConfig.default_of("cache_dir") == config.cache_dir
     with pytest.raises(KeyError, match="no setting 'max_wait'"):
         EngineConfig.default_of("max_wait")
+
+
+def test_an_empty_limit_in_the_model_config_is_the_default_not_no_limit():
+    """The model config's "" (or "none") for a request limit means its default: a None limit would
+    fail every request with a TypeError instead of a clear refusal."""
+    config = EngineConfig.from_strings({"max_items": "", "max_waiting": "none", "max_allowed_tokens": ""})
+    default = EngineConfig()
+    assert (config.max_items, config.max_waiting, config.max_allowed_tokens) == (
+        default.max_items, default.max_waiting, default.max_allowed_tokens)

@@ -1,16 +1,20 @@
-"""The README and docs/design.md name only what exists, and the README's code map names every module.
+"""The README and every page under docs/ name only what exists, and the README's code map names every module.
 
 - every repository path they write (`src/engine.py`, `perf/bench_core.py`, `deploy/kubernetes/`)
   exists; every Python module among them, and every dotted `prefillonly.x.y[.name]`, imports
   (and has the named attribute);
+- every relative Markdown link (`[serving](serving.md)`, `(../README.md)`) resolves from its page;
 - in the code map (README "Where the code is"), each file named on a folder's lines exists under
-  that folder (or under src/), and every module of src/ is named there.
+  that folder (or under src/), and every module of src/ is named there;
+- the README is a front door: at most README_MAX_LINES lines, linking every docs/*.md page, and
+  the docs pages it links exist.
 Links to other repositories (`https://...`) are not paths of ours and are skipped.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -18,11 +22,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "docs/design.md")
+DOC_PAGES = tuple(sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")))
+DOCS = ("README.md", *DOC_PAGES)
+README_MAX_LINES = 150
 TOP_FOLDERS = ("src", "perf", "tests", "clients", "deploy", "model_repository", "scripts", "docs")
 PATH_RE = re.compile(r"(?<![\w./-])(?:%s)/[\w./-]*" % "|".join(TOP_FOLDERS))
 DOTTED_RE = re.compile(r"\bprefillonly(?:\.\w+)+")
 URL_RE = re.compile(r"https?://\S+")
+LINK_RE = re.compile(r"\]\(([^)\s]+)\)")  # [text](target)
 CODE_MAP_TITLE = "## Where the code is"
 
 
@@ -124,3 +131,39 @@ def test_code_map_names_every_module_of_the_package():
     modules = [p.relative_to(ROOT).as_posix() for p in (ROOT / "src").rglob("*.py") if p.name not in ("__init__.py", "__main__.py")]
     unnamed = sorted(m for m in modules if m not in named)
     assert not unnamed, "modules the README's code map does not name: " + ", ".join(unnamed)
+
+
+def relative_links(doc: str) -> list[str]:
+    """The targets of the Markdown links of `doc` that point into this repository (no scheme, no
+    mailto, no bare #anchor), without their #anchor."""
+    targets = []
+    for target in LINK_RE.findall((ROOT / doc).read_text()):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+            continue
+        targets.append(target.split("#", 1)[0])
+    return targets
+
+
+def test_docs_pages_exist():
+    assert "docs/design.md" in DOC_PAGES and len(DOC_PAGES) > 1, f"the docs pages were found: {DOC_PAGES}"
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_relative_links_resolve(doc):
+    broken = sorted({t for t in relative_links(doc) if not ((ROOT / doc).parent / t).exists()})
+    assert not broken, f"{doc} links to what is not in the repository: {', '.join(broken)}"
+
+
+def test_readme_is_a_front_door():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, (f"README.md has {len(lines)} lines, more than {README_MAX_LINES}: "
+                                            "move the detail into a page under docs/ and link it")
+
+
+def test_readme_links_every_docs_page_and_only_pages_that_exist():
+    linked = {os.path.normpath(t) for t in relative_links("README.md")}
+    linked_pages = {t for t in linked if t.startswith("docs/") and t.endswith(".md")}
+    missing = sorted(t for t in linked_pages if not (ROOT / t).is_file())
+    assert not missing, "README.md links docs pages that do not exist: " + ", ".join(missing)
+    unlinked = sorted(set(DOC_PAGES) - linked_pages)
+    assert not unlinked, "docs pages the README does not link: " + ", ".join(unlinked)

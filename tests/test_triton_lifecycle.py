@@ -59,7 +59,7 @@ def unary_error(protocol, url):
 
 def test_full_queue_refused_at_once_with_status_per_call_style_and_cancel_frees_it(tmp_path, small_served_model):
     """max_waiting=1: one request runs, one waits (over a gRPC stream), the next is refused.
-    Status per call style (Triton 2.51, see README "Errors"): forwarder HTTP /infer 503 and gRPC
+    Status per call style (Triton 2.51, see docs/serving.md "Errors"): forwarder HTTP /infer 503 and gRPC
     unary UNAVAILABLE; HTTP generate can only give 400 (Triton reads the status after freeing it)
     and a gRPC stream only a message, or UNAVAILABLE closing the stream when the client asks with
     the triton_grpc_error header. Every message starts with "overloaded". Then the waiting

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--host", default="127.0.0.1",
                    help="bind address of the HTTP, gRPC and metrics ports (default 127.0.0.1; 0.0.0.0 for all interfaces)")
     s.add_argument("--no-proxy", action="store_true",
-                   help="no Envoy in front: Triton binds the ports itself (unsafe: see README 'Reliability and security')")
+                   help="no Envoy in front: Triton binds the ports itself (unsafe: see docs/serving.md, 'Reliability and security')")
     s.add_argument("--no-frontend", action="store_true",
                    help="no scoring-API frontend (rerank, score, completions routes); Triton's own routes only")
     s.add_argument("--frontend-upstream", default=None, metavar="HOST:PORT",
