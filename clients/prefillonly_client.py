@@ -28,12 +28,12 @@ import argparse
 import json
 import sys
 
-import numpy as np
-
 try:  # imported as clients.prefillonly_client (the repository's tests and benchmarks)
-    from .transport import MODEL, GrpcStream, http_generate, result_documents, routing_headers, unary_infer
-except ImportError:  # run as a script, or imported with clients/ on sys.path (the folder copied on its own)
-    from transport import MODEL, GrpcStream, http_generate, result_documents, routing_headers, unary_infer
+    from .transport import (MODEL, RESULT_JSON, GrpcStream, http_generate, request_fields, result_documents,
+                            routing_headers, unary_infer)
+except ImportError:  # run as a script, or imported with clients/ on sys.path
+    from transport import (MODEL, RESULT_JSON, GrpcStream, http_generate, request_fields, result_documents,
+                           routing_headers, unary_infer)
 
 
 class PrefillOnlyClientError(RuntimeError):
@@ -52,15 +52,16 @@ class PrefillOnlyClient:
 
     def score(self, prompt, allowed, **options) -> dict:
         """One prompt (text or token ids) -> its ScoreResult dict."""
-        return self._call(_request(prompt, allowed, **options))[0]
+        return self._call(request_fields(prompt, allowed, **options))[0]
 
     def score_many(self, prompts: list[str], allowed, **options) -> list[dict]:
         """Several text prompts in one call -> one ScoreResult dict each, in order."""
-        return self._call(_request(list(prompts), allowed, **options))
+        return self._call(request_fields(list(prompts), allowed, **options))
 
     def score_items(self, prompt, items: list, allowed, item_template: str | None = None, **options) -> list[dict]:
-        """One shared prompt and N items -> N ScoreResult dicts (the shared part is computed once)."""
-        return self._call(_request(prompt, allowed, items=list(items), item_template=item_template, **options))
+        """One shared prompt and N items (texts, or token-id lists) -> N ScoreResult dicts (the shared
+        part is computed once)."""
+        return self._call(request_fields(prompt, allowed, items=list(items), item_template=item_template, **options))
 
     def close(self) -> None:
         if self._grpc is not None:
@@ -79,9 +80,9 @@ class PrefillOnlyClient:
 
     def _call_http(self, fields: dict) -> list[dict]:
         status, reply = http_generate(self.url, fields, self.timeout_s, self.model)
-        if status != 200 or "result_json" not in reply:
+        if status != 200 or RESULT_JSON not in reply:
             raise PrefillOnlyClientError(reply.get("error", f"HTTP {status}"))
-        return result_documents(reply["result_json"])
+        return result_documents(reply[RESULT_JSON])
 
     def _call_grpc(self, fields: dict) -> list[dict]:
         import tritonclient.grpc as grpcclient
@@ -95,7 +96,7 @@ class PrefillOnlyClient:
             stream.close()
         if error is not None:
             raise PrefillOnlyClientError(str(error))
-        return result_documents(result.as_numpy("result_json"))
+        return result_documents(result.as_numpy(RESULT_JSON))
 
     def _call_infer(self, fields: dict) -> list[dict]:
         from tritonclient.utils import InferenceServerException
@@ -104,35 +105,7 @@ class PrefillOnlyClient:
             result = unary_infer(self.url, fields, self.timeout_s, "http", f"{self.model}_sync")
         except InferenceServerException as e:
             raise PrefillOnlyClientError(e.message()) from None
-        return result_documents(result.as_numpy("result_json"))
-
-
-def _request(prompt, allowed, items=None, item_template=None, top_k=None, cache_prefix_len=None, priority=None,
-             apply_chat_template=None, user=None) -> dict:
-    fields = {}
-    if isinstance(prompt, str):
-        fields["text_input"] = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        fields["text_input"] = prompt
-    else:
-        fields["input_ids"] = np.asarray(prompt, dtype=np.int64)
-    strings = [a for a in allowed if isinstance(a, str)]
-    ids = [int(a) for a in allowed if not isinstance(a, str)]
-    if strings:
-        fields["allowed_tokens"] = strings
-    if ids:
-        fields["allowed_token_ids"] = np.asarray(ids, dtype=np.int64)
-    if items is not None:
-        fields["items"] = items
-    for name, value in (("item_template", item_template), ("user", user)):
-        if value is not None:
-            fields[name] = value
-    for name, value in (("top_k", top_k), ("cache_prefix_len", cache_prefix_len), ("priority", priority)):
-        if value is not None:
-            fields[name] = np.asarray([value], dtype=np.int64)
-    if apply_chat_template is not None:
-        fields["apply_chat_template"] = np.asarray([bool(apply_chat_template)])
-    return fields
+        return result_documents(result.as_numpy(RESULT_JSON))
 
 
 def main(argv=None) -> int:

@@ -1,12 +1,17 @@
 """How requests reach the prefillonly model: the one transport layer of the client, the
 benchmarks and the tests (standard library, numpy and tritonclient only).
 
-A request is a dict of fields named as the model's inputs; a value is a str, bytes, int, float or
-bool, a list of one kind, or a numpy array. The same dict goes as HTTP generate's JSON body
-(`http_generate`), or as tritonclient tensors (`infer_inputs`) on a gRPC stream (`GrpcStream`) or
-in a plain infer through the prefillonly_sync forwarder (`unary_infer`). A request that names its
-`user` (the prefix-cache namespace) also carries the affinity header, so that behind the fleet's
-Envoy it lands on the replica holding that user's cached prefix.
+A request is a dict of fields named as the model's inputs (`request_fields` builds one); a value
+is a str, bytes, int, float or bool, a list of one kind, or a numpy array. The same dict goes as
+HTTP generate's JSON body (`http_generate`), or as tritonclient tensors (`infer_inputs`) on a gRPC
+stream (`GrpcStream`) or in a plain infer through the prefillonly_sync forwarder (`unary_infer`).
+A request that names its `user` (the prefix-cache namespace) also carries the affinity header, so
+that behind the fleet's Envoy it lands on the replica holding that user's cached prefix.
+
+What the model's side defines (the names, the request rule, the affinity header and its value,
+result_json's form) is prefillonly.wire, the one wire contract: imported from the installed
+package, or, where only numpy and tritonclient are installed, loaded from this checkout's
+src/wire.py (a standard-library file), so that this folder runs from the repository on its own.
 
 Those raise what tritonclient and urllib raise. `answer()` and its parts instead return an Answer
 that says how the request ended (an answer, an error answer, none within the timeout, a failed
@@ -16,58 +21,45 @@ connection), in any of the four call styles: what a benchmark judges every reque
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import http.client
+import importlib.util
+import json
 import queue
+import sys
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
-MODEL, SYNC_MODEL = "prefillonly", "prefillonly_sync"
-USER_HEADER = "x-prefillonly-user"  # prefillonly.serving.host.envoy_config.USER_HEADER (this folder stands alone)
-TRITON_TYPES = {"object": "BYTES", "int64": "INT64", "bool": "BOOL", "float32": "FP32"}
+
+def _wire():
+    try:
+        from prefillonly import wire
+    except ImportError:  # prefillonly not installed (it needs torch): the checkout's copy of the same file
+        path = Path(__file__).resolve().parents[1] / "src" / "wire.py"
+        if not path.is_file():
+            raise ImportError(f"clients/ needs prefillonly.wire: install prefillonly, or run it from the repository "
+                              f"(where {path} is)") from None
+        spec = importlib.util.spec_from_file_location("prefillonly_wire", path)
+        wire = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+        spec.loader.exec_module(wire)
+    return wire
+
+
+wire = _wire()
+MODEL, SYNC_MODEL, USER_HEADER, RESULT_JSON = wire.MODEL, wire.SYNC_MODEL, wire.USER_HEADER, wire.RESULT_JSON
+as_array, infer_inputs, request_fields, result_documents = (wire.as_array, wire.infer_inputs, wire.request_fields,
+                                                            wire.result_documents)
 STYLES = ("http_generate", "grpc_stream", "http_infer", "grpc_unary")  # the ways a request reaches the model
 
 
 def routing_headers(fields: dict) -> dict:
-    """The affinity header for a request that names its user (nothing otherwise). A user id that
-    is not printable ASCII (not a valid header value) is sent as a stable digest of itself."""
-    user = fields.get("user")
-    if not isinstance(user, str) or not user:
-        return {}
-    if not (user.isascii() and user.isprintable()):
-        user = "sha256-" + hashlib.sha256(user.encode()).hexdigest()
-    return {USER_HEADER: user}
-
-
-def as_array(value) -> np.ndarray:
-    """A field's value as the tensor sent: an array as it is; str or bytes -> BYTES, bool -> BOOL,
-    int -> INT64, float -> FP32 (a scalar as a one-element tensor)."""
-    if isinstance(value, np.ndarray):
-        return value
-    values = value if isinstance(value, list) else [value]
-    if all(isinstance(v, (str, bytes)) for v in values):  # also the empty list: BYTES [0]
-        return np.array([v.encode() if isinstance(v, str) else v for v in values], dtype=np.object_)
-    if all(isinstance(v, bool) for v in values):
-        return np.array(values, dtype=bool)
-    if all(isinstance(v, int) for v in values):
-        return np.array(values, dtype=np.int64)
-    return np.array(values, dtype=np.float32)
-
-
-def infer_inputs(module, fields: dict) -> list:
-    """The fields as tritonclient InferInputs of `module` (tritonclient.grpc or .http)."""
-    inputs = []
-    for name, value in fields.items():
-        array = as_array(value)
-        tensor = module.InferInput(name, list(array.shape), TRITON_TYPES[str(array.dtype)])
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    return inputs
+    """The affinity header of a request that names its user (nothing otherwise), by wire's rule:
+    a user id that is not printable ASCII (not a valid header value) goes as a stable digest."""
+    return wire.routing_headers(fields.get("user"))
 
 
 def json_body(fields: dict) -> bytes:
@@ -135,16 +127,6 @@ def unary_infer(url: str, fields: dict, timeout: float, protocol: str = "http", 
         return client.infer(model, infer_inputs(module, fields), headers=routing_headers(fields) or None, **options)
     finally:
         client.close()
-
-
-def result_documents(values) -> list[dict]:
-    """The ScoreResult dicts of an answer's result_json: a tensor or list of JSON documents, or a
-    single one (HTTP generate sends one result as a scalar)."""
-    if values is None:
-        return []
-    if isinstance(values, (str, bytes)):
-        values = [values]
-    return [json.loads(v) for v in values]
 
 
 class GrpcStream:
@@ -245,7 +227,7 @@ def generate_answer(url: str, fields: dict, timeout: float, model: str = MODEL) 
         return _failed(e, t0, _is_timeout(e))
     if status != 200:
         return Answer("error", str(status), str(reply.get("error", reply)), seconds=_since(t0))
-    return _answered(reply.get("result_json"), str(status), t0)
+    return _answered(reply.get(RESULT_JSON), str(status), t0)
 
 
 def stream_answer(stream: GrpcStream, fields: dict, timeout: float) -> Answer:
@@ -259,7 +241,7 @@ def stream_answer(stream: GrpcStream, fields: dict, timeout: float) -> Answer:
         return _failed(e, t0, lost=False)
     if error is not None:
         return Answer("error", grpc_status(error) or "error", error.message() or str(error), seconds=_since(t0))
-    return _answered(result.as_numpy("result_json"), "ok", t0)
+    return _answered(result.as_numpy(RESULT_JSON), "ok", t0)
 
 
 def unary_answer(protocol: str, url: str, fields: dict, timeout: float, model: str = SYNC_MODEL) -> Answer:
@@ -274,7 +256,7 @@ def unary_answer(protocol: str, url: str, fields: dict, timeout: float, model: s
         return Answer("lost" if lost else "error", status, e.message() or str(e), seconds=_since(t0))
     except Exception as e:  # gevent's timeout, a reset connection
         return _failed(e, t0, "timeout" in type(e).__name__.lower() or _is_timeout(e))
-    return _answered(result.as_numpy("result_json"), "200" if protocol == "http" else "OK", t0)
+    return _answered(result.as_numpy(RESULT_JSON), "200" if protocol == "http" else "OK", t0)
 
 
 def answer(style: str, http_url: str, grpc_url: str, fields: dict, timeout: float) -> Answer:

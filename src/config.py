@@ -2,7 +2,7 @@
 
 The Triton model and the CLI build it from their own inputs (strings allowed: "bfloat16",
 "2048", "none"). Settings come from here, not from the environment; the few environment
-variables the code reads are switches for a host (README "Configuration"): where files are kept
+variables the code reads are switches for a host (docs/design.md §5, the environment table): where files are kept
 (paths.py), turning the compiled CPU kernels or the GPU kernels off, forcing a CPU ISA path.
 
 Defaults owned by a layer are written in that layer and read here (the scheduler's policies,
@@ -23,15 +23,16 @@ from .errors import ConfigError
 from .hardware import resolve_dtype
 from .kernels.attention import BACKENDS
 from .kernels.linear import LINEAR_BACKENDS
+from .limits import DEFAULT_MAX_ITEMS, default_max_prompts
 from .paths import default_cache_dir
 from .scheduler.policy import DEFAULT_LAMBDA_TOKENS_PER_S, DEFAULT_MAX_WAITING, POLICIES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_MAX_PROMPTS_PER_REQUEST = 64
 # Uncached tokens per forward step by device type. CPU: from perf/bench_batching.py's sweep
-# (README "Batching"); CUDA: not measured yet (no GPU lent), the batch size at which an
+# (docs/design.md §15); CUDA: not measured yet (no GPU lent), the batch size at which an
 # H100-class GPU's matmuls are compute-bound for an 8B model, as vLLM's default.
 DEFAULT_MAX_BATCH_TOKENS = {"cpu": 2048, "cuda": 8192}
+DEFAULT_MAX_ALLOWED_TOKENS = 256
 # Shares of the memory free at start-up that the unset budgets take: the prefix-KV pool first,
 # then the activation budget out of what is left.
 DEFAULT_CACHE_FRACTION = 0.2
@@ -59,9 +60,9 @@ class EngineConfig:
     cache_budget_bytes: int | None = None  # prefix-KV pool; None = 20% of free memory at start; 0 = no cache
     cache_block_size: int = 64  # tokens per cached block (the unit of prefix reuse)
     cache_second_tier_bytes: int = 0  # blocks evicted from the pool go here (host memory); 0 = off
-    max_items: int = 256  # most items one multi-item request may carry
+    max_items: int = DEFAULT_MAX_ITEMS  # most items one multi-item request may carry
     max_prompts_per_request: int | None = None  # most prompts (text_input values) in one server request; None = 64 or max_waiting if smaller
-    max_allowed_tokens: int = 256  # most allowed output tokens in one request
+    max_allowed_tokens: int = DEFAULT_MAX_ALLOWED_TOKENS  # most allowed output tokens in one request
     max_prompt_bytes: int | None = None  # bytes of one prompt/item text; None = max_input_len x the longest token's bytes
     scheduling_policy: str = "csjf"  # fcfs | sjf | csjf (continuous JCT-calibrated SJF, dependency groups) | csjf-independent
     lambda_tokens_per_s: float = DEFAULT_LAMBDA_TOKENS_PER_S  # csjf starvation guard (the paper's): tokens of credit per second waited
@@ -94,12 +95,13 @@ class EngineConfig:
         self.cache_budget_bytes = _optional_int("cache_budget_bytes", self.cache_budget_bytes, minimum=0)
         self.cache_block_size = _optional_int("cache_block_size", self.cache_block_size, minimum=1)
         self.cache_second_tier_bytes = _optional_int("cache_second_tier_bytes", self.cache_second_tier_bytes, minimum=0) or 0
-        self.max_items = _optional_int("max_items", self.max_items, minimum=1)
-        self.max_waiting = _optional_int("max_waiting", self.max_waiting, minimum=1)
+        # limits: None ("" or "none" in the model config) is the default, never "no limit"
+        self.max_items = _optional_int("max_items", self.max_items, minimum=1) or DEFAULT_MAX_ITEMS
+        self.max_waiting = _optional_int("max_waiting", self.max_waiting, minimum=1) or DEFAULT_MAX_WAITING
         self.max_prompts_per_request = _optional_int("max_prompts_per_request", self.max_prompts_per_request, minimum=1)
         if self.max_prompts_per_request is None:
-            self.max_prompts_per_request = min(DEFAULT_MAX_PROMPTS_PER_REQUEST, self.max_waiting)
-        self.max_allowed_tokens = _optional_int("max_allowed_tokens", self.max_allowed_tokens, minimum=1)
+            self.max_prompts_per_request = default_max_prompts(self.max_waiting)
+        self.max_allowed_tokens = _optional_int("max_allowed_tokens", self.max_allowed_tokens, minimum=1) or DEFAULT_MAX_ALLOWED_TOKENS
         self.max_prompt_bytes = _optional_int("max_prompt_bytes", self.max_prompt_bytes, minimum=1)
         self.max_batch_tokens = _optional_int("max_batch_tokens", self.max_batch_tokens, minimum=1)
         if self.max_prompts_per_request > self.max_waiting:
@@ -133,7 +135,7 @@ class EngineConfig:
 
     @property
     def batch_token_budget(self) -> int:
-        """max_batch_tokens, or the default of the device type (README "Batching")."""
+        """max_batch_tokens, or the default of the device type (docs/design.md §15)."""
         if self.max_batch_tokens is not None:
             return self.max_batch_tokens
         return DEFAULT_MAX_BATCH_TOKENS["cuda" if self.device.startswith("cuda") else "cpu"]

@@ -12,6 +12,14 @@ from dataclasses import dataclass
 
 from .errors import InvalidRequestError
 
+# The limits' defaults (EngineConfig's; the frontend reads them without building one)
+DEFAULT_MAX_ITEMS = 256  # items of one multi-item request
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 64  # or max_waiting where that is smaller: a request must fit the queue whole
+
+
+def default_max_prompts(max_waiting: int) -> int:
+    return min(DEFAULT_MAX_PROMPTS_PER_REQUEST, max_waiting)
+
 
 @dataclass(frozen=True)
 class RequestLimits:

@@ -14,6 +14,7 @@ import pytest
 
 from prefillonly.frontend.presets import PRESETS_FILE
 from prefillonly.serving.host.prometheus import scrape_metrics
+from prefillonly.wire import USER_HEADER
 
 from .test_faults import REPO, supervised
 from .test_frontend_presets import published_qwen3_ids
@@ -126,10 +127,14 @@ def test_user_is_the_cache_namespace(stack):
     body = {"model": "qwen3-reranker", "query": QUERY + " (namespace test)", "documents": DOCS[:2]}
     first = post(f"{stack.http_url}/v1/rerank", dict(body, user="alice"))[1]
     again = post(f"{stack.http_url}/v1/rerank", dict(body, user="alice"))[1]
-    other = post(f"{stack.http_url}/v1/rerank", body, headers={"x-prefillonly-user": "bob"})[1]
+    other = post(f"{stack.http_url}/v1/rerank", body, headers={USER_HEADER: "bob"})[1]
     assert first["usage"]["cached_tokens"] == 0
     assert again["usage"]["cached_tokens"] > 0  # alice's query prompt came from the prefix cache
     assert other["usage"]["cached_tokens"] == 0  # never across users
+    # a user id that is not a valid header value goes upstream as its digest (wire.user_header_value)
+    accented = [post(f"{stack.http_url}/v1/rerank", dict(body, user="élodie")) for _ in range(2)]
+    assert [status for status, _ in accented] == [200, 200], accented
+    assert accented[0][1]["usage"]["cached_tokens"] == 0 and accented[1][1]["usage"]["cached_tokens"] > 0
 
 
 def test_long_document_truncated_when_asked_else_refused_by_index(stack):

@@ -1,6 +1,7 @@
 """Scoring presets without a server: the Qwen3-Reranker preset renders exactly the published
 token ids (the model card's construction: prefix ids + the pair's ids + suffix ids), labels are
-checked at load, truncation is by tokens and refusals name the document."""
+checked at load, truncation is by tokens and refusals name the document; the settings the
+frontend reads from the model's config.pbtxt are EngineConfig's."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from prefillonly.errors import ConfigError, InvalidRequestError
+from prefillonly.frontend.app import ServedSettings
 from prefillonly.frontend.presets import PRESETS_FILE, TemplateTokenizer, load_presets
 
 REPO = Path(__file__).resolve().parents[1] / "model_repository"
@@ -99,3 +101,18 @@ def test_braces_in_a_document_stay_text(tokens, presets):
     qwen = tokens.render(presets["qwen3-reranker"], "{instruction}", ["d"], instruction="{query}")
     assert "<Instruct>: {query}\n<Query>: {instruction}\n" in tokens.tokenizer.decode(qwen.shared)
     assert tokens.tokenizer.decode(rendered.shared + rendered.items[0]) == "Q:{query} {document} {instruction}"
+
+
+@pytest.mark.parametrize("changes", [{}, {"max_items": "12", "max_prompts_per_request": "none", "max_waiting": "5"},
+                                     {"max_input_len": "1_000", "max_prompts_per_request": "7", "max_items": " 9 "},
+                                     {"max_waiting": " 30 "}])
+def test_served_settings_are_engine_configs(tmp_path, changes):
+    """The frontend reads the engine model's settings without building EngineConfig (torch): the
+    same values, defaults included, as the engine's config of the same config.pbtxt."""
+    from prefillonly.config import EngineConfig
+    from prefillonly.serving.host.model_settings import copy_model_repository, engine_settings
+
+    model_dir = copy_model_repository(REPO, tmp_path / "repo", models=("prefillonly",), **changes) / "prefillonly"
+    got, config = ServedSettings.read(model_dir), EngineConfig.from_strings(engine_settings(model_dir))
+    assert (got.model, got.cache_dir, got.max_input_len, got.max_items, got.max_prompts) == (
+        config.model, config.cache_dir, config.max_input_len, config.max_items, config.max_prompts_per_request)

@@ -18,10 +18,15 @@ PACKAGE = "prefillonly"
 # Modules that must not need torch: the scheduler, the cache's bookkeeping and everything in
 # serving/ (the wire protocol and the model's bookkeeping are plain data; the host processes run
 # where the engine does not) are read by the simulator, the Triton model's adapter and the serve
-# supervisor without loading a model; so are the frontend's request shapes.
-TENSOR_FREE = ("prefillonly.scheduler", "prefillonly.cache.index", "prefillonly.hardware", "prefillonly.frontend.schemas",
+# supervisor without loading a model; the wire contract (read by both Triton models, the front
+# door, the frontend and the clients), and the whole frontend: it reads the engine's settings
+# without building EngineConfig (only its tokenizer, loaded at start, is transformers').
+TENSOR_FREE = ("prefillonly.scheduler", "prefillonly.cache.index", "prefillonly.hardware", "prefillonly.wire",
+               "prefillonly.result",
                *sorted(f"prefillonly.serving.{p.parent.name}.{p.stem}" for p in SRC.glob("serving/*/*.py")
-                       if p.stem != "__init__"))
+                       if p.stem != "__init__"),
+               *sorted(f"prefillonly.frontend.{p.stem}" for p in SRC.glob("frontend/*.py")
+                       if p.stem not in ("__init__", "__main__")))
 
 
 def module_files(root: Path, package: str) -> dict[str, Path]:
@@ -120,6 +125,7 @@ def test_the_walker_finds_a_circle_through_a_lazy_import(tmp_path):
 
 def test_tensor_free_modules_load_without_torch():
     assert "prefillonly.serving.model.protocol" in TENSOR_FREE and "prefillonly.serving.host.supervisor" in TENSOR_FREE
+    assert "prefillonly.frontend.app" in TENSOR_FREE and "prefillonly.frontend.routes" in TENSOR_FREE
     # one fresh interpreter: the first module whose import pulls torch in is named
     script = ("import importlib, sys\n"
               f"for name in {TENSOR_FREE!r}:\n"

@@ -208,14 +208,29 @@ def test_error_status_by_code():
     assert error_reply(RuntimeError("boom\nline 2")) == ("INTERNAL", "internal: RuntimeError: boom line 2")
 
 
-def test_forwarder_knows_the_same_retry_later_codes():
-    """The forwarder cannot import prefillonly (no torch in its 8 stubs): its copy must agree."""
-    from prefillonly.serving.model.protocol import RETRY_LATER_CODES
+def test_forwarder_answers_each_code_with_the_engine_models_status(monkeypatch):
+    """The forwarder imports only prefillonly.wire (standard library: no engine, no torch in its 8
+    stubs), no copy of the codes, and recovers from a target's message the status the target chose."""
+    import importlib.util
+    import sys
+    import types
 
-    tree = ast.parse((REPO / "prefillonly_sync" / "1" / "model.py").read_text())
-    copy = next(ast.literal_eval(n.value) for n in tree.body
-                if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "RETRY_LATER_CODES")
-    assert copy == RETRY_LATER_CODES
+    from prefillonly.errors import EngineClosedError, InvalidRequestError, OverloadedError
+    from prefillonly.serving.model.protocol import error_reply
+
+    source = (REPO / "prefillonly_sync" / "1" / "model.py").read_text()
+    imported = {n.module for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom)}
+    assert imported == {"prefillonly.wire"} and "RETRY_LATER_CODES" not in source
+    statuses = types.SimpleNamespace(UNAVAILABLE="UNAVAILABLE", INVALID_ARG="INVALID_ARG", INTERNAL="INTERNAL",
+                                     CANCELLED="CANCELLED")  # pb_utils.TritonError's, by name
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.SimpleNamespace(TritonError=statuses))
+    spec = importlib.util.spec_from_file_location("prefillonly_sync_model", REPO / "prefillonly_sync" / "1" / "model.py")
+    forwarder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(forwarder)
+    for error in (OverloadedError("1 waiting"), EngineClosedError("closed"), InvalidRequestError("bad"), CancelledError(),
+                  RuntimeError("boom")):
+        status, message = error_reply(error)
+        assert forwarder.status_of(message) == status, message
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])

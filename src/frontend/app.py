@@ -3,9 +3,11 @@
     python -m prefillonly.frontend --model-repository model_repository --triton-grpc 127.0.0.1:8001 --port 8010
 
 The engine model's config.pbtxt says which checkpoint is served (its `model` parameter; empty:
-the embedded default) and the request limits; the frontend loads that checkpoint's tokenizer
-(so its token ids are the engine's) and `scoring_presets.json` beside config.pbtxt. A preset
-whose labels are not single tokens stops the start with a ConfigError naming it.
+the embedded default) and the request limits; the frontend reads them (ServedSettings, by
+EngineConfig's rules for string settings but without building one, which would load torch),
+loads that checkpoint's tokenizer (so its token ids are the engine's) and `scoring_presets.json`
+beside config.pbtxt. A preset whose labels are not single tokens stops the start with a
+ConfigError naming it.
 """
 
 from __future__ import annotations
@@ -14,10 +16,15 @@ import argparse
 import json
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..limits import DEFAULT_MAX_ITEMS, default_max_prompts
+from ..paths import default_cache_dir
+from ..scheduler.policy import DEFAULT_MAX_WAITING
 from ..serving.host.model_settings import engine_settings
+from ..wire import MODEL
 from .presets import PRESETS_FILE, TemplateTokenizer, load_presets
 from .scoring import Limits, Scoring
 from .upstream import TritonUpstream
@@ -25,25 +32,53 @@ from .upstream import TritonUpstream
 log = logging.getLogger("prefillonly.frontend")
 # on SIGTERM, calls in flight get this long to finish (the supervisor has drained the engine by then)
 GRACEFUL_SHUTDOWN_S = 5
-def build_scoring(model_repository: str | Path, triton_grpc: str, model_name: str = "prefillonly",
+UNSET = ("", "none", "null")  # a string setting that means "the default" (EngineConfig.from_strings)
+
+
+@dataclass(frozen=True)
+class ServedSettings:
+    """What the frontend needs of the engine model's settings, with EngineConfig's defaults."""
+    model: str | None  # the checkpoint folder; None: the embedded default, kept under cache_dir
+    cache_dir: str
+    max_input_len: int | None  # None: the checkpoint's context length
+    max_items: int
+    max_prompts: int  # max_prompts_per_request
+
+    @classmethod
+    def read(cls, model_dir: str | Path) -> "ServedSettings":
+        """From `model_dir`/config.pbtxt's parameters; ConfigError for one that is not a number."""
+        values = {k: v for k, v in engine_settings(model_dir).items() if v.strip().lower() not in UNSET}
+
+        def number(name: str, default: int | None) -> int | None:
+            try:
+                return int(values[name].strip().replace("_", "")) if name in values else default
+            except ValueError:
+                raise ConfigError(f"{model_dir}/config.pbtxt: {name} must be an integer, got {values[name]!r}") from None
+
+        return cls(model=values.get("model"), cache_dir=values.get("cache_dir") or default_cache_dir(),
+                   max_input_len=number("max_input_len", None), max_items=number("max_items", DEFAULT_MAX_ITEMS),
+                   max_prompts=number("max_prompts_per_request",
+                                      default_max_prompts(number("max_waiting", DEFAULT_MAX_WAITING))))
+
+
+def build_scoring(model_repository: str | Path, triton_grpc: str, model_name: str = MODEL,
                   presets_path: str | Path | None = None) -> Scoring:
     from transformers import AutoTokenizer
 
-    from ..config import EngineConfig
     from ..default_model import ensure_default_model
     from ..model_spec import ModelSpec
 
     model_dir = Path(model_repository) / model_name
-    config = EngineConfig.from_strings(engine_settings(model_dir))
-    checkpoint = config.model or ensure_default_model(config.cache_dir)
+    settings = ServedSettings.read(model_dir)
+    checkpoint = settings.model or ensure_default_model(settings.cache_dir)
     try:
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     except Exception as e:
         raise ConfigError(f"the scoring frontend needs the model's tokenizer: cannot load it from {checkpoint}: {e}") from e
-    max_input_len = config.max_input_len or ModelSpec.from_folder(checkpoint).context_length
+    max_input_len = settings.max_input_len or ModelSpec.from_folder(checkpoint).context_length
     tokens = TemplateTokenizer(tokenizer, max_input_len)
     presets = load_presets(presets_path or model_dir / PRESETS_FILE, tokens)
-    limits = Limits(max_documents=config.max_items, max_prompts=config.max_prompts_per_request)
+    limits = Limits(max_documents=settings.max_items, max_prompts=settings.max_prompts)
     return Scoring(tokens, presets, TritonUpstream(triton_grpc, model_name), base_model=model_name, limits=limits)
 
 
@@ -51,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m prefillonly.frontend", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-repository", required=True)
     p.add_argument("--triton-grpc", required=True, help="host:port of Triton's gRPC (or the front door's in a fleet)")
-    p.add_argument("--model-name", default="prefillonly", help="the engine model in the repository")
+    p.add_argument("--model-name", default=MODEL, help="the engine model in the repository")
     p.add_argument("--presets", default=None, help=f"scoring presets (default: {PRESETS_FILE} beside its config.pbtxt)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8010)

@@ -7,13 +7,14 @@
 
 Every message starts with the engine's code ("invalid_request: ...", "overloaded: ...") as on
 Triton's own routes. Bad input is 400 (TEI: 422), not-now (overloaded, unavailable, restarting)
-is 503, anything else 500.
+is 503, anything else 500 (prefillonly.wire.http_status of the engine's code).
 """
 
 from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
+from ..wire import http_status
 from .upstream import UpstreamError
 
 
@@ -25,8 +26,7 @@ class APIError(Exception):
 
     @classmethod
     def from_upstream(cls, e: UpstreamError) -> "APIError":
-        status = 503 if e.retry_later else 500 if e.code == "internal" else 400
-        return cls(e.message, status=status, code=e.code)
+        return cls(e.message, status=http_status(e.code), code=e.code)
 
 
 _OPENAI_TYPES = {400: "BadRequestError", 404: "NotFoundError", 422: "BadRequestError", 503: "ServiceUnavailableError",

@@ -10,7 +10,9 @@
     GET  /health                 200 while the engine is ready, else 503
 
 The user (body `user`, else the `x-prefillonly-user` header) is the cache namespace and the
-stream's affinity header.
+stream's affinity header. build_app assembles one router per API family (health and models,
+Jina / vLLM / TEI rerank, Cohere rerank, SGLang / vLLM scoring, OpenAI completions) behind one
+set of error handlers, each refusal in the called API's shape.
 """
 
 from __future__ import annotations
@@ -21,19 +23,53 @@ import math
 import time
 import uuid
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from ..errors import PrefillOnlyError
+from ..wire import INTERNAL, USER_HEADER, ScoreResult
 from .errors import APIError, error_response, validation_message
 from .schemas import CompletionRequest, RerankRequest, ScoreRequest, TeiRerankRequest, TextDocument
 from .scoring import Scored, Scoring, log_odds, relevance
-from .upstream import USER_HEADER
 
 log = logging.getLogger("prefillonly.frontend")
 COHERE_PATHS = ("/v2/rerank",)
+
+
+def build_app(scoring: Scoring) -> FastAPI:
+    app = FastAPI(title="prefillonly scoring APIs", docs_url=None, redoc_url=None)
+    _handle_errors(app)
+    for routes in (health_routes, rerank_routes, cohere_routes, score_routes, completion_routes):
+        app.include_router(routes(scoring))
+    return app
+
+
+def _handle_errors(app: FastAPI) -> None:
+    """Every refusal, and a bug too, answered in the error shape of the API called."""
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return error_response(_style(request), e)
+
+    @app.exception_handler(PrefillOnlyError)
+    async def _refused(request: Request, e: PrefillOnlyError):  # the rendering's refusals (a document too long)
+        return error_response(_style(request), APIError(str(e), code=e.code))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):  # a bug: still an answer in the API's shape
+        log.exception("internal error on %s", request.url.path)
+        return error_response(_style(request), APIError(f"{type(e).__name__}: {e}", status=500, code=INTERNAL))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        message, param = validation_message(e.errors())
+        return error_response(_style(request), APIError(message, param=param))
+
+    @app.exception_handler(404)
+    async def _not_found(request: Request, e):
+        return error_response(_style(request), APIError(f"no route {request.method} {request.url.path}", status=404,
+                                                        code="not_found"))
 
 
 def _style(request: Request) -> str:
@@ -46,20 +82,100 @@ def _style(request: Request) -> str:
     return "openai"
 
 
-def _user(request: Request, body_user: str | None) -> str | None:
-    return body_user or request.headers.get(USER_HEADER) or None
+# -- health and models ------------------------------------------------------------------------------
+def health_routes(scoring: Scoring) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health():
+        ready = await scoring.upstream.ready()
+        return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
+
+    @router.get("/v1/models")
+    async def models():
+        now = int(time.time())
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": now, "owned_by": "prefillonly"}
+                                           for name in scoring.model_names()]}
+
+    return router
 
 
-def _new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+# -- rerank ---------------------------------------------------------------------------------------
+def rerank_routes(scoring: Scoring) -> APIRouter:
+    """Jina / vLLM rerank, and TEI's on /rerank (TEI clients call /rerank with `texts`)."""
+    router = APIRouter()
+
+    @router.post("/v1/rerank")
+    async def rerank_v1(request: Request):
+        return await _jina_rerank(scoring, request, await _parse(request, RerankRequest))
+
+    @router.post("/rerank")
+    async def rerank_plain(request: Request):
+        raw = await _json(request)
+        if isinstance(raw, dict) and "texts" in raw:
+            return await _tei_rerank(scoring, request, _model(TeiRerankRequest, raw))
+        return await _jina_rerank(scoring, request, _model(RerankRequest, raw))
+
+    return router
 
 
-def _usage(scored: Scored) -> dict:
-    return {"prompt_tokens": scored.prompt_tokens, "total_tokens": scored.prompt_tokens, "cached_tokens": scored.cached_tokens}
+def cohere_routes(scoring: Scoring) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v2/rerank")
+    async def rerank_v2(request: Request):
+        body = await _parse(request, RerankRequest)
+        _, documents, scored = await _rerank(scoring, request, body, cohere=True)
+        ranked = _top(scored, body.top_n)
+        return {"id": _new_id("rerank"), "results": _results(documents, ranked, bool(body.return_documents)),
+                "meta": {"api_version": {"version": "2"}, "billed_units": {"search_units": 1},
+                         "tokens": {"input_tokens": scored.prompt_tokens, "output_tokens": 0}}}
+
+    return router
 
 
-def _text_of(document) -> str:
-    return document.text if isinstance(document, TextDocument) else document
+async def _rerank(scoring: Scoring, request: Request, body: RerankRequest, cohere: bool) -> tuple[str, list[str], Scored]:
+    if body.relevant_spans is not None:
+        raise APIError("relevant_spans is not supported by this server", param="relevant_spans")
+    preset = scoring.preset(body.model, for_rerank=True)
+    documents = [d.text if isinstance(d, TextDocument) else d for d in body.documents]
+    # Cohere: lower priority numbers run earlier; the engine runs higher ones first
+    priority = -(body.priority or 0) if cohere else 0
+    scored = await scoring.rerank(preset, body.query, documents, instruction=body.instruction,
+                                  max_tokens_per_doc=body.max_tokens_per_doc, truncate=None,
+                                  user=_user(request, body.user), priority=priority)
+    return preset.name, documents, scored
+
+
+async def _jina_rerank(scoring: Scoring, request: Request, body: RerankRequest) -> dict:
+    model, documents, scored = await _rerank(scoring, request, body, cohere=False)
+    with_docs = True if body.return_documents is None else body.return_documents
+    return {"id": _new_id("rerank"), "model": model, "results": _results(documents, _top(scored, body.top_n), with_docs),
+            "usage": _usage(scored)}
+
+
+async def _tei_rerank(scoring: Scoring, request: Request, body: TeiRerankRequest) -> list[dict]:
+    preset = scoring.preset(body.model, for_rerank=True)
+    truncate = body.truncation_direction.lower() if body.truncate else None
+    scored = await scoring.rerank(preset, body.query, body.texts, instruction=None, max_tokens_per_doc=None,
+                                  truncate=truncate, user=_user(request, body.user))
+    out = []
+    for s in _top(scored, None):
+        entry = {"index": s.index, "score": log_odds(s) if body.raw_scores else relevance(s)}
+        if body.return_text:
+            entry["text"] = body.texts[s.index]
+        out.append(entry)
+    return out
+
+
+def _results(documents: list[str], ranked: list, with_documents: bool) -> list[dict]:
+    out = []
+    for s in ranked:
+        entry = {"index": s.index, "relevance_score": relevance(s)}
+        if with_documents:
+            entry["document"] = {"text": documents[s.index]}
+        out.append(entry)
+    return out
 
 
 def _top(scored: Scored, top_n: int | None) -> list:
@@ -70,180 +186,102 @@ def _top(scored: Scored, top_n: int | None) -> list:
     return ranked[:top_n] if top_n else ranked
 
 
-def build_app(scoring: Scoring) -> FastAPI:
-    app = FastAPI(title="prefillonly scoring APIs", docs_url=None, redoc_url=None)
+# -- score ----------------------------------------------------------------------------------------
+def score_routes(scoring: Scoring) -> APIRouter:
+    """SGLang's /v1/score (apply_softmax defaults to False) and vLLM's /generative_scoring (True)."""
+    router = APIRouter()
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError):
-        return error_response(_style(request), e)
-
-    @app.exception_handler(PrefillOnlyError)
-    async def _refused(request: Request, e: PrefillOnlyError):  # the rendering's refusals (a document too long)
-        return error_response(_style(request), APIError(str(e), code=e.code))
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, e: Exception):  # a bug: still an answer in the API's shape
-        log.exception("internal error on %s", request.url.path)
-        return error_response(_style(request), APIError(f"{type(e).__name__}: {e}", status=500, code="internal"))
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, e: RequestValidationError):
-        message, param = validation_message(e.errors())
-        return error_response(_style(request), APIError(message, param=param))
-
-    @app.exception_handler(404)
-    async def _not_found(request: Request, e):
-        return error_response(_style(request), APIError(f"no route {request.method} {request.url.path}", status=404,
-                                                        code="not_found"))
-
-    @app.get("/health")
-    async def health():
-        ready = await scoring.upstream.ready()
-        return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
-
-    @app.get("/v1/models")
-    async def models():
-        now = int(time.time())
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": now, "owned_by": "prefillonly"}
-                                           for name in scoring.model_names()]}
-
-    async def rerank(request: Request, body: RerankRequest, cohere: bool) -> tuple[str, list[str], Scored]:
-        if body.relevant_spans is not None:
-            raise APIError("relevant_spans is not supported by this server", param="relevant_spans")
-        preset = scoring.preset(body.model, for_rerank=True)
-        documents = [_text_of(d) for d in body.documents]
-        # Cohere: lower priority numbers run earlier; the engine runs higher ones first
-        priority = -(body.priority or 0) if cohere else 0
-        scored = await scoring.rerank(preset, body.query, documents, instruction=body.instruction,
-                                      max_tokens_per_doc=body.max_tokens_per_doc, truncate=None,
-                                      user=_user(request, body.user), priority=priority)
-        return preset.name, documents, scored
-
-    def _results(documents, ranked, with_documents: bool) -> list[dict]:
-        out = []
-        for s in ranked:
-            entry = {"index": s.index, "relevance_score": relevance(s)}
-            if with_documents:
-                entry["document"] = {"text": documents[s.index]}
-            out.append(entry)
-        return out
-
-    @app.post("/v1/rerank")
-    async def rerank_v1(request: Request):
-        body = await _parse(request, RerankRequest)
-        return await _jina_rerank(request, body)
-
-    async def _jina_rerank(request: Request, body: RerankRequest) -> dict:
-        model, documents, scored = await rerank(request, body, cohere=False)
-        with_docs = True if body.return_documents is None else body.return_documents
-        return {"id": _new_id("rerank"), "model": model, "results": _results(documents, _top(scored, body.top_n), with_docs),
-                "usage": _usage(scored)}
-
-    @app.post("/rerank")
-    async def rerank_plain(request: Request):
-        """vLLM's /rerank shape, or TEI's when the body has `texts` (TEI clients call /rerank)."""
-        raw = await _json(request)
-        if isinstance(raw, dict) and "texts" in raw:
-            return await _tei_rerank(request, _model(TeiRerankRequest, raw))
-        return await _jina_rerank(request, _model(RerankRequest, raw))
-
-    async def _tei_rerank(request: Request, body: TeiRerankRequest) -> list[dict]:
-        preset = scoring.preset(body.model, for_rerank=True)
-        truncate = body.truncation_direction.lower() if body.truncate else None
-        scored = await scoring.rerank(preset, body.query, body.texts, instruction=None, max_tokens_per_doc=None,
-                                      truncate=truncate, user=_user(request, body.user))
-        out = []
-        for s in _top(scored, None):
-            entry = {"index": s.index, "score": log_odds(s) if body.raw_scores else relevance(s)}
-            if body.return_text:
-                entry["text"] = body.texts[s.index]
-            out.append(entry)
-        return out
-
-    @app.post("/v2/rerank")
-    async def rerank_v2(request: Request):
-        body = await _parse(request, RerankRequest)
-        _, documents, scored = await rerank(request, body, cohere=True)
-        ranked = _top(scored, body.top_n)
-        return {"id": _new_id("rerank"), "results": _results(documents, ranked, bool(body.return_documents)),
-                "meta": {"api_version": {"version": "2"}, "billed_units": {"search_units": 1},
-                         "tokens": {"input_tokens": scored.prompt_tokens, "output_tokens": 0}}}
-
-    async def score(request: Request, apply_softmax: bool) -> tuple[ScoreRequest, str, Scored]:
-        body = await _parse(request, ScoreRequest)
-        if body.apply_softmax is None:
-            body.apply_softmax = apply_softmax
-        preset = scoring.preset(body.model, for_rerank=False)
-        scored = await scoring.score(preset, body.query, body.items, body.label_token_ids, item_first=body.item_first,
-                                     user=_user(request, body.user))
-        return body, preset.name, scored
-
-    def _label_values(s, apply_softmax: bool) -> list[float]:
-        # apply_softmax: renormalised over the labels; else each label's full-vocabulary probability
-        return [label["prob"] if apply_softmax else math.exp(label["logprob"]) for label in s.labels]
-
-    @app.post("/v1/score")
+    @router.post("/v1/score")
     async def score_sglang(request: Request):
-        body, model, scored = await score(request, apply_softmax=False)
+        body, model, scored = await _score(scoring, request, apply_softmax=False)
         return {"scores": [_label_values(s, body.apply_softmax) for s in scored.scores], "model": model,
                 "usage": _usage(scored), "object": "scoring"}
 
-    @app.post("/generative_scoring")
+    @router.post("/generative_scoring")
     async def score_vllm(request: Request):
-        body, model, scored = await score(request, apply_softmax=True)
+        body, model, scored = await _score(scoring, request, apply_softmax=True)
         data = [{"index": s.index, "object": "score", "score": _label_values(s, body.apply_softmax)[0]} for s in scored.scores]
         return {"id": _new_id("score"), "object": "list", "created": int(time.time()), "model": model, "data": data,
                 "usage": _usage(scored)}
 
-    @app.post("/v1/completions")
+    return router
+
+
+async def _score(scoring: Scoring, request: Request, apply_softmax: bool) -> tuple[ScoreRequest, str, Scored]:
+    body = await _parse(request, ScoreRequest)
+    if body.apply_softmax is None:
+        body.apply_softmax = apply_softmax
+    preset = scoring.preset(body.model, for_rerank=False)
+    scored = await scoring.score(preset, body.query, body.items, body.label_token_ids, item_first=body.item_first,
+                                 user=_user(request, body.user))
+    return body, preset.name, scored
+
+
+def _label_values(s, apply_softmax: bool) -> list[float]:
+    # apply_softmax: renormalised over the labels; else each label's full-vocabulary probability
+    return [label.prob if apply_softmax else math.exp(label.logprob) for label in s.labels]
+
+
+# -- completions ----------------------------------------------------------------------------------
+def completion_routes(scoring: Scoring) -> APIRouter:
+    """OpenAI's /v1/completions, for exactly one token."""
+    router = APIRouter()
+
+    @router.post("/v1/completions")
     async def completions(request: Request):
         body = await _parse(request, CompletionRequest)
-        scoring.preset(body.model, for_rerank=False)  # a served name, or 404 listing them
-        if body.max_tokens is not None and not 0 <= body.max_tokens <= 1:
-            raise APIError(f"max_tokens must be 0 or 1, not {body.max_tokens}: this engine scores the next token and "
-                           "never decodes further", param="max_tokens")
-        if body.logprobs is not None and not 0 <= body.logprobs <= scoring.limits.max_logprobs:
-            raise APIError(f"logprobs must be between 0 and {scoring.limits.max_logprobs}, not {body.logprobs}", param="logprobs")
-        for name, bad in (("echo", body.echo), ("stream", body.stream), ("n", body.n != 1),
-                          ("best_of", body.best_of not in (None, 1))):
-            if bad:
-                raise APIError(f"{name} is not supported: one prompt gives exactly one token here", param=name)
-        prompts = _prompts(body.prompt)
-        k = body.logprobs or 0
-        allowed = body.allowed_token_ids
-        if allowed is not None and not allowed:
-            raise APIError("allowed_token_ids is empty", param="allowed_token_ids")
+        prompts = _completion_prompts(scoring, body)
+        k, allowed = body.logprobs or 0, body.allowed_token_ids
         top_k = k if allowed is None else 0
         results = await scoring.complete(prompts, allowed, max(top_k, 1 if allowed is None else 0), _user(request, body.user))
         generate = body.max_tokens != 0
         choices = [_choice(i, r, allowed is not None, k if body.logprobs is not None else None, generate)
                    for i, r in enumerate(results)]
-        prompt_tokens = sum(r["prompt_tokens"] for r in results)
+        prompt_tokens = sum(r.prompt_tokens for r in results)
         completion_tokens = len(results) if generate else 0
         return {"id": _new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": body.model,
                 "choices": choices,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                           "total_tokens": prompt_tokens + completion_tokens,
-                          "prompt_tokens_details": {"cached_tokens": sum(r["cached_tokens"] for r in results)}}}
+                          "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in results)}}}
 
-    return app
+    return router
 
 
-def _choice(index: int, result: dict, among_allowed: bool, logprobs: int | None, generate: bool) -> dict:
+def _completion_prompts(scoring: Scoring, body: CompletionRequest) -> list:
+    """The request's prompts, once it asks only what one greedy token can answer: a served model,
+    at most one token, no sampling knobs."""
+    scoring.preset(body.model, for_rerank=False)  # a served name, or 404 listing them
+    if body.max_tokens is not None and not 0 <= body.max_tokens <= 1:
+        raise APIError(f"max_tokens must be 0 or 1, not {body.max_tokens}: this engine scores the next token and "
+                       "never decodes further", param="max_tokens")
+    if body.logprobs is not None and not 0 <= body.logprobs <= scoring.limits.max_logprobs:
+        raise APIError(f"logprobs must be between 0 and {scoring.limits.max_logprobs}, not {body.logprobs}", param="logprobs")
+    for name, bad in (("echo", body.echo), ("stream", body.stream), ("n", body.n != 1),
+                      ("best_of", body.best_of not in (None, 1))):
+        if bad:
+            raise APIError(f"{name} is not supported: one prompt gives exactly one token here", param=name)
+    prompts = _prompts(body.prompt)
+    if body.allowed_token_ids is not None and not body.allowed_token_ids:
+        raise APIError("allowed_token_ids is empty", param="allowed_token_ids")
+    return prompts
+
+
+def _choice(index: int, result: ScoreResult, among_allowed: bool, logprobs: int | None, generate: bool) -> dict:
     """One OpenAI choice: the chosen token (the allowed one with the highest probability, or the
     vocabulary's argmax), its full-vocabulary logprob, and the `logprobs` most likely candidates
     (among the allowed tokens when they were given, else over the vocabulary)."""
     if not generate:  # max_tokens 0: the prompt was run (and its prefix cached), nothing generated
         return {"index": index, "text": "", "logprobs": None, "finish_reason": "length"}
-    candidates = sorted(result["tokens"], key=lambda t: -t["logprob"]) if among_allowed else result["top_k"]
-    chosen = result["chosen"] if among_allowed else result["top_k"][0]
+    candidates = sorted(result.tokens, key=lambda t: -t.logprob) if among_allowed else result.top_k
+    chosen = result.chosen if among_allowed else result.top_k[0]
     lp = None
     if logprobs is not None:
         top = {}
         for t in candidates[:logprobs]:
-            top.setdefault(t["text"], t["logprob"])
-        lp = {"tokens": [chosen["text"]], "token_logprobs": [chosen["logprob"]], "top_logprobs": [top], "text_offset": [0]}
-    return {"index": index, "text": chosen["text"], "logprobs": lp, "finish_reason": "length"}
+            top.setdefault(t.text, t.logprob)
+        lp = {"tokens": [chosen.text], "token_logprobs": [chosen.logprob], "top_logprobs": [top], "text_offset": [0]}
+    return {"index": index, "text": chosen.text, "logprobs": lp, "finish_reason": "length"}
 
 
 def _prompts(prompt) -> list:
@@ -253,6 +291,19 @@ def _prompts(prompt) -> list:
     if not prompt:
         raise APIError("prompt is empty", param="prompt")
     return [prompt] if isinstance(prompt[0], int) else list(prompt)
+
+
+# -- what every route shares -----------------------------------------------------------------------
+def _user(request: Request, body_user: str | None) -> str | None:
+    return body_user or request.headers.get(USER_HEADER) or None
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _usage(scored: Scored) -> dict:
+    return {"prompt_tokens": scored.prompt_tokens, "total_tokens": scored.prompt_tokens, "cached_tokens": scored.cached_tokens}
 
 
 async def _json(request: Request):

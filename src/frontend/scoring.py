@@ -9,6 +9,8 @@ import asyncio
 import math
 from dataclasses import dataclass
 
+from ..limits import DEFAULT_MAX_ITEMS, DEFAULT_MAX_PROMPTS_PER_REQUEST
+from ..wire import ScoreResult, TokenScore
 from .errors import APIError
 from .presets import QUERY, DOCUMENT, Rendered, ScoringPreset, TemplateTokenizer
 from .upstream import TritonUpstream, UpstreamError
@@ -16,15 +18,15 @@ from .upstream import TritonUpstream, UpstreamError
 
 @dataclass(frozen=True)
 class Limits:
-    max_documents: int = 256  # the engine's max_items: one query's documents in one request
-    max_prompts: int = 64  # completions / item_first prompts per call (the engine's max_prompts_per_request)
+    max_documents: int = DEFAULT_MAX_ITEMS  # the engine's max_items: one query's documents in one request
+    max_prompts: int = DEFAULT_MAX_PROMPTS_PER_REQUEST  # completions / item_first prompts per call (the engine's)
     max_logprobs: int = 20
 
 
 @dataclass
 class DocumentScore:
     index: int
-    labels: list[dict]  # the labels' {id, text, logprob (full vocabulary), prob (renormalised)}
+    labels: list[TokenScore]  # the labels' id, text, logprob (full vocabulary), prob (renormalised over them)
 
 
 @dataclass
@@ -103,18 +105,16 @@ class Scoring:
             return await self._items(Rendered(shared=query_ids, items=item_ids, truncated=[]), label_ids, user, 0)
         self._check_prompts(len(items), "items with item_first")
         results = await self._call(self.upstream.score_prompts([x + query_ids for x in item_ids], label_ids, user=user))
-        return Scored([DocumentScore(i, r["tokens"]) for i, r in enumerate(results)],
-                      sum(r["prompt_tokens"] for r in results), sum(r["cached_tokens"] for r in results))
+        return _scored(results, sum(r.prompt_tokens for r in results), sum(r.cached_tokens for r in results))
 
     async def _items(self, rendered: Rendered, label_ids: list[int], user: str | None, priority: int) -> Scored:
         results = await self._call(self.upstream.score_items(rendered.shared, rendered.items, label_ids, user=user,
                                                              priority=priority))
-        return Scored([DocumentScore(i, r["tokens"]) for i, r in enumerate(results)],
-                      len(rendered.shared) + sum(map(len, rendered.items)), results[0]["cached_tokens"] if results else 0)
+        return _scored(results, len(rendered.shared) + sum(map(len, rendered.items)), results[0].cached_tokens if results else 0)
 
     # -- completions ----------------------------------------------------------------------------
-    async def complete(self, prompts: list, allowed_ids: list[int] | None, top_k: int, user: str | None) -> list[dict]:
-        """One ScoreResult dict per prompt. Without allowed ids the chosen token is the argmax of
+    async def complete(self, prompts: list, allowed_ids: list[int] | None, top_k: int, user: str | None) -> list[ScoreResult]:
+        """One ScoreResult per prompt. Without allowed ids the chosen token is the argmax of
         the whole vocabulary: the engine is asked for its top_k (>= 1) and any allowed id."""
         self._check_prompts(len(prompts), "prompts")
         if allowed_ids is not None and len(set(allowed_ids)) != len(allowed_ids):
@@ -153,14 +153,18 @@ class Scoring:
             raise APIError.from_upstream(e) from None
 
 
+def _scored(results: list[ScoreResult], prompt_tokens: int, cached_tokens: int) -> Scored:
+    return Scored([DocumentScore(i, r.tokens) for i, r in enumerate(results)], prompt_tokens, cached_tokens)
+
+
 def relevance(score: DocumentScore) -> float:
     """P(first label) renormalised over the preset's labels."""
-    return score.labels[0]["prob"]
+    return score.labels[0].prob
 
 
 def log_odds(score: DocumentScore) -> float:
     """TEI's raw score: log(p / (1 - p)) of the relevance (the logit whose sigmoid is it), from
     the labels' full-vocabulary logprobs so that it keeps its precision far from 0.5."""
-    first, others = score.labels[0]["logprob"], [label["logprob"] for label in score.labels[1:]]
+    first, others = score.labels[0].logprob, [label.logprob for label in score.labels[1:]]
     top = max(others)
     return first - (top + math.log(sum(math.exp(x - top) for x in others)))

@@ -6,30 +6,26 @@ routes the stream by it to the replica holding that user's prefix cache. A strea
 until every answer is in (Triton's decoupled model answers each request once).
 
     upstream = TritonUpstream("127.0.0.1:8001")
-    results = await upstream.score_items(shared_ids, item_ids, label_ids, user="u1")   # list[dict]
+    results = await upstream.score_items(shared_ids, item_ids, label_ids, user="u1")   # list[ScoreResult]
 
-Each result is a ScoreResult as a dict (its `result_json` output): tokens [{id, text, logprob,
-prob}], chosen, top_k, prompt_tokens, cached_tokens. Engine errors come back as UpstreamError
-with the engine's code ("invalid_request", "overloaded", ...) and message.
+Each result is a ScoreResult (prefillonly.wire, decoded from its `result_json` output): tokens
+[TokenScore(id, text, logprob, prob)], chosen, top_k, prompt_tokens, cached_tokens. Requests are
+built by the clients' rule (wire.request_fields, wire.infer_inputs), the affinity header by its
+rule for a user id (wire.routing_headers). Engine errors come back as UpstreamError with the
+engine's code ("invalid_request", "overloaded", ...) and message.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 
 import grpc
-import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from ..serving.host.envoy_config import USER_HEADER  # the front door's affinity key
-from ..serving.model.protocol import RETRY_LATER_CODES as ENGINE_RETRY_LATER_CODES
-
-# codes whose requests may succeed later or elsewhere (the engine's, and a Triton or connection
-# that is not there right now): the HTTP answer is 503
-RETRY_LATER_CODES = (*ENGINE_RETRY_LATER_CODES, "unavailable")
+from ..wire import (INTERNAL, MODEL, RESULT_JSON, UNAVAILABLE, ScoreResult, code_of, decode_results, infer_inputs,
+                    request_fields, routing_headers)
 
 
 class UpstreamError(Exception):
@@ -39,10 +35,6 @@ class UpstreamError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
-
-    @property
-    def retry_later(self) -> bool:
-        return self.code in RETRY_LATER_CODES
 
 
 def _error_of(e: Exception) -> UpstreamError:
@@ -54,25 +46,15 @@ def _error_of(e: Exception) -> UpstreamError:
         text, unavailable = e.message() or str(e), "UNAVAILABLE" in str(e.status() or "")
     else:
         text, unavailable = str(e), False
-    code = text.split(":", 1)[0].strip() if ":" in text else ""
-    if not (code.isidentifier() and code.islower()):
-        code = "unavailable" if unavailable else "internal"
+    code = code_of(text)
+    if code is None:
+        code = UNAVAILABLE if unavailable else INTERNAL
         text = f"{code}: the engine could not be reached or failed ({type(e).__name__}: {text or e})"
     return UpstreamError(code, text)
 
 
-def _bytes(values) -> np.ndarray:
-    return np.array([v.encode("utf-8") if isinstance(v, str) else v for v in values], dtype=np.object_)
-
-
-def _input(name: str, array: np.ndarray, datatype: str) -> grpcclient.InferInput:
-    tensor = grpcclient.InferInput(name, list(array.shape), datatype)
-    tensor.set_data_from_numpy(array)
-    return tensor
-
-
 class TritonUpstream:
-    def __init__(self, url: str, model: str = "prefillonly"):
+    def __init__(self, url: str, model: str = MODEL):
         self.url = url
         self.model = model
         self._client: grpcclient.InferenceServerClient | None = None
@@ -97,34 +79,25 @@ class TritonUpstream:
 
     # -- the two request shapes ------------------------------------------------------------
     async def score_items(self, shared: list[int], items: list[list[int]], allowed_ids: list[int], *,
-                          user: str | None = None, top_k: int = 0, priority: int = 0) -> list[dict]:
+                          user: str | None = None, top_k: int = 0, priority: int = 0) -> list[ScoreResult]:
         """One multi-item request: `shared` computed once, each item scored over it."""
-        inputs = [_input("input_ids", np.asarray(shared, np.int64), "INT64"),
-                  _input("item_ids", np.asarray([t for item in items for t in item], np.int64), "INT64"),
-                  _input("item_lengths", np.asarray([len(item) for item in items], np.int64), "INT64")]
-        if priority:
-            inputs.append(_input("priority", np.asarray([priority], np.int64), "INT64"))
-        return (await self._stream([self._request(inputs, allowed_ids, user, top_k)], user))[0]
+        fields = request_fields(shared, allowed_ids, items=items, top_k=top_k or None, priority=priority or None,
+                                user=user or None)
+        return (await self._stream([self._request(fields)], user))[0]
 
     async def score_prompts(self, prompts: list[list[int]], allowed_ids: list[int], *, user: str | None = None,
-                            top_k: int = 0) -> list[dict]:
+                            top_k: int = 0) -> list[ScoreResult]:
         """Independent prompts (token ids), one Triton request each on one stream, so the engine's
         scheduler sees them all at once; results in order."""
-        requests = [self._request([_input("input_ids", np.asarray(p, np.int64), "INT64")], allowed_ids, user, top_k)
-                    for p in prompts]
+        requests = [self._request(request_fields(p, allowed_ids, top_k=top_k or None, user=user or None)) for p in prompts]
         return [r[0] for r in await self._stream(requests, user)]
 
     # -- plumbing ------------------------------------------------------------------------------
-    def _request(self, inputs: list, allowed_ids: list[int], user: str | None, top_k: int) -> dict:
-        inputs = inputs + [_input("allowed_token_ids", np.asarray(allowed_ids, np.int64), "INT64")]
-        if top_k:
-            inputs.append(_input("top_k", np.asarray([top_k], np.int64), "INT64"))
-        if user:
-            inputs.append(_input("user", _bytes([user]), "BYTES"))
-        return {"model_name": self.model, "inputs": inputs, "request_id": str(next(self._ids)),
-                "outputs": [grpcclient.InferRequestedOutput("result_json")]}
+    def _request(self, fields: dict) -> dict:
+        return {"model_name": self.model, "inputs": infer_inputs(grpcclient, fields), "request_id": str(next(self._ids)),
+                "outputs": [grpcclient.InferRequestedOutput(RESULT_JSON)]}
 
-    async def _stream(self, requests: list[dict], user: str | None) -> list[list[dict]]:
+    async def _stream(self, requests: list[dict], user: str | None) -> list[list[ScoreResult]]:
         """Send `requests` on one stream; each one's results, in order. The first error fails the
         call (UpstreamError); the stream is cancelled, which takes the rest out of the engine's
         queue."""
@@ -135,15 +108,14 @@ class TritonUpstream:
                 yield r
             await done.wait()  # keep our side open until every answer is in
 
-        answers: dict[str, list[dict]] = {}
-        headers = {USER_HEADER: user} if user else None
-        stream = self.client.stream_infer(feed(), headers=headers)
+        answers: dict[str, list[ScoreResult]] = {}
+        stream = self.client.stream_infer(feed(), headers=routing_headers(user) or None)
         try:
             async for result, error in stream:
                 if error is not None:
                     raise _error_of(error)
                 rid = result.get_response().id
-                answers[rid] = [json.loads(x) for x in result.as_numpy("result_json").reshape(-1)]
+                answers[rid] = decode_results(result.as_numpy(RESULT_JSON).reshape(-1))
                 if len(answers) == len(requests):
                     break
         except UpstreamError:
@@ -155,5 +127,5 @@ class TritonUpstream:
             if len(answers) < len(requests):
                 stream.cancel()
         if len(answers) < len(requests):
-            raise UpstreamError("unavailable", "unavailable: the engine's stream ended before every answer came back")
+            raise UpstreamError(UNAVAILABLE, f"{UNAVAILABLE}: the engine's stream ended before every answer came back")
         return [answers[r["request_id"]] for r in requests]

@@ -25,7 +25,8 @@ from prefillonly.errors import InvalidRequestError
 from prefillonly.serving.model.drain import DrainWatch, drain_file_from_env
 from prefillonly.serving.model.inflight import InFlightWatcher, PendingRequest, when_all_done
 from prefillonly.serving.model.metrics import EngineMetrics
-from prefillonly.serving.model.protocol import INPUTS, error_reply, parse_request, results_to_outputs
+from prefillonly.serving.model.protocol import error_reply, parse_request, results_to_outputs
+from prefillonly.wire import INPUTS
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 WARMUP_TOKENS = 16

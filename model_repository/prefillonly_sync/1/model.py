@@ -1,18 +1,19 @@
 """Forwards each request to the decoupled prefillonly model (BLS) and returns its one final
 response as an ordinary (non-decoupled) response. No engine here: one queue, one scheduler.
-It imports nothing of prefillonly (so no torch): the tensor names come from this model's config,
-which mirrors the target's.
+Of prefillonly it imports only the wire contract (prefillonly.wire: standard library, no torch,
+no engine); the tensor names come from this model's config, which declares the same inputs and
+outputs as the target's (tests/test_wire.py checks both against prefillonly.wire).
 
 Error status: the Python backend's BLS hands every error of the target back as INTERNAL (r24.10
 keeps only the message), so the status is recovered from the message's "<code>: " prefix, which
-the target always writes (prefillonly.serving.model.protocol.error_reply)."""
+the target always writes (prefillonly.serving.model.protocol.error_reply), by the same rule the
+target chose it with (prefillonly.wire.triton_status)."""
 
 import json
 
 import triton_python_backend_utils as pb_utils
 
-# Same as prefillonly.serving.model.protocol.RETRY_LATER_CODES (a test checks): not imported, no torch here.
-RETRY_LATER_CODES = ("overloaded", "engine_closed", "deadline_exceeded")
+from prefillonly.wire import INTERNAL, code_of, triton_status
 
 
 class TritonPythonModel:
@@ -44,13 +45,8 @@ class TritonPythonModel:
 def status_of(message: str):
     """The Triton status of a target's error, from its "<code>: " prefix: retry-later codes are
     UNAVAILABLE (HTTP 503), "internal" stays INTERNAL (500), the rest are the caller's input (400)."""
-    code = message.split(":", 1)[0]
-    if code in RETRY_LATER_CODES:
-        return pb_utils.TritonError.UNAVAILABLE
-    if code == "cancelled":
-        return pb_utils.TritonError.CANCELLED
-    return pb_utils.TritonError.INTERNAL if code == "internal" else pb_utils.TritonError.INVALID_ARG
+    return getattr(pb_utils.TritonError, triton_status(code_of(message)))
 
 
 def _internal_error(message: str):
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal: {message}", pb_utils.TritonError.INTERNAL))
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{INTERNAL}: {message}", pb_utils.TritonError.INTERNAL))

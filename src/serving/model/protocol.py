@@ -17,18 +17,18 @@ Inputs (all optional except a prompt and the allowed tokens):
   apply_chat_template   BOOL [1]
   user                  BYTES [1]   cache namespace (tenant / user isolation)
 Outputs, one element per result (prompts, or items of a multi-item call), in order:
-  result_json           BYTES [r]   the whole ScoreResult as JSON (the unambiguous form for JSON users)
+  result_json           BYTES [r]   the whole ScoreResult as JSON (ScoreResult.to_json; the unambiguous form)
   chosen_token          BYTES [r]
   chosen_token_id       INT64 [r]
   chosen_prob           FP32  [r]
   allowed_probs         FP32  [r*k] row-major: result i's k allowed tokens in the order asked
   allowed_logprobs      FP32  [r*k] full-vocabulary log-probabilities, same layout
   prompt_tokens, cached_tokens   INT64 [r]
+The names, datatypes and dims, the error codes and their statuses are data in prefillonly.wire.
 """
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
 
@@ -36,19 +36,7 @@ import numpy as np
 
 from ...errors import InvalidRequestError, PrefillOnlyError
 from ...limits import RequestLimits
-from ...result import ScoreResult
-
-INPUTS = {
-    "text_input": "BYTES", "input_ids": "INT64", "allowed_tokens": "BYTES", "allowed_token_ids": "INT64",
-    "items": "BYTES", "item_ids": "INT64", "item_lengths": "INT64", "item_template": "BYTES", "cache_prefix_len": "INT64", "top_k": "INT64", "priority": "INT64",
-    "apply_chat_template": "BOOL", "user": "BYTES",
-}
-
-
-# Engine error codes that mean "not now": Triton status UNAVAILABLE (HTTP 503, gRPC UNAVAILABLE
-# where the front end keeps the status), so that clients back off and retry. The forwarder model
-# (model_repository/prefillonly_sync) keeps its own copy, checked equal by the tests.
-RETRY_LATER_CODES = ("overloaded", "engine_closed", "deadline_exceeded")
+from ...wire import CANCELLED, INPUTS, INTERNAL, RESULT_JSON, ScoreResult, triton_status
 
 
 def error_reply(error: BaseException) -> tuple[str, str]:
@@ -57,13 +45,12 @@ def error_reply(error: BaseException) -> tuple[str, str]:
     status through every path (README "Errors")."""
     if isinstance(error, PrefillOnlyError):
         code, detail = error.code, str(error)
-        status = "UNAVAILABLE" if code in RETRY_LATER_CODES else "INVALID_ARG"
     elif isinstance(error, CancelledError):
-        code, detail, status = "cancelled", "the client cancelled the request before it ran", "CANCELLED"
+        code, detail = CANCELLED, "the client cancelled the request before it ran"
     else:
-        code, detail, status = "internal", f"{type(error).__name__}: {error}", "INTERNAL"
+        code, detail = INTERNAL, f"{type(error).__name__}: {error}"
     detail = " ".join(detail.splitlines())  # one log line per event
-    return status, detail if detail.startswith(code) else f"{code}: {detail}"
+    return triton_status(code), detail if detail.startswith(code) else f"{code}: {detail}"
 
 
 @dataclass
@@ -154,7 +141,7 @@ def _items(tensors: dict[str, np.ndarray], limits: RequestLimits | None) -> list
 
 def results_to_outputs(results: list[ScoreResult]) -> dict[str, np.ndarray]:
     return {
-        "result_json": np.array([json.dumps(r.to_dict(), ensure_ascii=False).encode() for r in results], dtype=np.object_),
+        RESULT_JSON: np.array([r.to_json().encode() for r in results], dtype=np.object_),
         "chosen_token": np.array([r.chosen.text.encode() for r in results], dtype=np.object_),
         "chosen_token_id": np.array([r.chosen.id for r in results], dtype=np.int64),
         "chosen_prob": np.array([r.chosen.prob for r in results], dtype=np.float32),

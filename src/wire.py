@@ -1,0 +1,228 @@
+"""The wire contract of the prefillonly Triton model: what crosses between it and its callers.
+
+One leaf module, standard library only (numpy is imported by the two functions that build
+tensors), read by every side: the Triton models (model_repository/, serving/model/protocol.py),
+the front door (serving/host/envoy_config.py), the scoring frontend (frontend/) and the clients
+(clients/transport.py, which loads this file by path where prefillonly is not installed).
+
+- the models' names, and their inputs and outputs (name, Triton datatype, dims) as data: each
+  config.pbtxt declares exactly these (tests/test_wire.py checks);
+- a request as a dict of fields named as the inputs (`request_fields`), and as tritonclient
+  tensors (`infer_inputs`);
+- the error codes every error message starts with ("overloaded: ..."), which of them mean "not
+  now, retry" and the Triton / HTTP / gRPC status each is answered with;
+- the affinity headers and the one rule that turns a user id into the header's value;
+- a result: `result_json` (ScoreResult.to_json, one per prompt or item) decoded back into the
+  same frozen ScoreResult the engine returned (`decode_results`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+
+MODEL, SYNC_MODEL = "prefillonly", "prefillonly_sync"  # the decoupled model, and its plain (non-decoupled) forwarder
+
+
+# -- tensors ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    datatype: str  # Triton's: BYTES (TYPE_STRING in a config.pbtxt), INT64, FP32, BOOL
+    dims: tuple[int, ...] = (-1,)  # -1: any length
+
+    @property
+    def config_type(self) -> str:
+        """The data_type a config.pbtxt writes for it."""
+        return "TYPE_STRING" if self.datatype == "BYTES" else f"TYPE_{self.datatype}"
+
+
+# Inputs, all optional except a prompt (text_input or input_ids) and the allowed tokens
+# (serving/model/protocol.py says what each means). HTTP generate maps a JSON field to the input
+# of its name: a string becomes a one-element BYTES tensor, a list a longer one.
+INPUT_TENSORS = (
+    Tensor("text_input", "BYTES"), Tensor("input_ids", "INT64"), Tensor("allowed_tokens", "BYTES"),
+    Tensor("allowed_token_ids", "INT64"), Tensor("items", "BYTES"), Tensor("item_ids", "INT64"),
+    Tensor("item_lengths", "INT64"), Tensor("item_template", "BYTES", (1,)), Tensor("cache_prefix_len", "INT64", (1,)),
+    Tensor("top_k", "INT64", (1,)), Tensor("priority", "INT64", (1,)), Tensor("apply_chat_template", "BOOL", (1,)),
+    Tensor("user", "BYTES", (1,)),
+)
+# Outputs, one element per result (prompts, or items of a multi-item call) in order; the allowed
+# tokens' probabilities row-major (result i's k allowed tokens in the order asked).
+RESULT_JSON = "result_json"  # the whole ScoreResult as JSON: what the frontend and the clients read
+OUTPUT_TENSORS = (
+    Tensor(RESULT_JSON, "BYTES"), Tensor("chosen_token", "BYTES"), Tensor("chosen_token_id", "INT64"),
+    Tensor("chosen_prob", "FP32"), Tensor("allowed_probs", "FP32"), Tensor("allowed_logprobs", "FP32"),
+    Tensor("prompt_tokens", "INT64"), Tensor("cached_tokens", "INT64"),
+)
+INPUTS = {t.name: t.datatype for t in INPUT_TENSORS}
+OUTPUTS = {t.name: t.datatype for t in OUTPUT_TENSORS}
+TRITON_TYPES = {"object": "BYTES", "int64": "INT64", "bool": "BOOL", "float32": "FP32"}  # numpy dtype -> Triton's
+
+
+# -- requests -----------------------------------------------------------------------------------
+def request_fields(prompt, allowed, *, items=None, item_template=None, top_k=None, cache_prefix_len=None,
+                   priority=None, apply_chat_template=None, user=None) -> dict:
+    """One request's fields, named as the inputs: `prompt` a text, several texts or token ids;
+    `allowed` strings and/or ids; `items` texts, or token-id lists (sent as item_ids +
+    item_lengths). An option left None is not sent."""
+    import numpy as np
+
+    fields = {}
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
+        fields["text_input"] = prompt
+    else:
+        fields["input_ids"] = np.asarray(prompt, dtype=np.int64)
+    strings = [a for a in allowed if isinstance(a, str)]
+    ids = [int(a) for a in allowed if not isinstance(a, str)]
+    if strings:
+        fields["allowed_tokens"] = strings
+    if ids:
+        fields["allowed_token_ids"] = np.asarray(ids, dtype=np.int64)
+    if items is not None and items and all(not isinstance(x, str) for x in items):
+        fields["item_ids"] = np.asarray([t for item in items for t in item], dtype=np.int64)
+        fields["item_lengths"] = np.asarray([len(item) for item in items], dtype=np.int64)
+    elif items is not None:
+        fields["items"] = list(items)
+    for name, value in (("item_template", item_template), ("user", user)):
+        if value is not None:
+            fields[name] = value
+    for name, value in (("top_k", top_k), ("cache_prefix_len", cache_prefix_len), ("priority", priority)):
+        if value is not None:
+            fields[name] = np.asarray([value], dtype=np.int64)
+    if apply_chat_template is not None:
+        fields["apply_chat_template"] = np.asarray([bool(apply_chat_template)])
+    return fields
+
+
+def as_array(value):
+    """A field's value as the tensor sent: an array as it is; str or bytes -> BYTES, bool -> BOOL,
+    int -> INT64, float -> FP32 (a scalar as a one-element tensor)."""
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
+        return value
+    values = value if isinstance(value, list) else [value]
+    if all(isinstance(v, (str, bytes)) for v in values):  # also the empty list: BYTES [0]
+        return np.array([v.encode() if isinstance(v, str) else v for v in values], dtype=np.object_)
+    if all(isinstance(v, bool) for v in values):
+        return np.array(values, dtype=bool)
+    if all(isinstance(v, int) for v in values):
+        return np.array(values, dtype=np.int64)
+    return np.array(values, dtype=np.float32)
+
+
+def infer_inputs(module, fields: dict) -> list:
+    """The fields as InferInputs of `module` (tritonclient.grpc, .grpc.aio or .http)."""
+    inputs = []
+    for name, value in fields.items():
+        array = as_array(value)
+        tensor = module.InferInput(name, list(array.shape), TRITON_TYPES[str(array.dtype)])
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+# -- errors -------------------------------------------------------------------------------------
+# Every error message starts with "<code>: " (the engine's PrefillOnlyError.code, or one of these),
+# on every route: the code is what callers can rely on where Triton does not carry the status.
+ENGINE_RETRY_LATER_CODES = ("overloaded", "engine_closed", "deadline_exceeded")  # the engine's "not now"
+UNAVAILABLE = "unavailable"  # no engine answered: Triton restarting or unreachable, the front door's local reply
+CANCELLED, INTERNAL = "cancelled", "internal"  # the Triton model's own: the client went away, a bug
+RETRY_LATER_CODES = (*ENGINE_RETRY_LATER_CODES, UNAVAILABLE)  # may succeed later or elsewhere: back off, retry
+# Triton's status of an error answer -> (HTTP status, gRPC status) it reaches a caller with: Triton's
+# own mapping for the first three; CANCELLED (the caller has gone) is 400 on the frontend's routes
+STATUSES = {"UNAVAILABLE": (503, "UNAVAILABLE"), "INVALID_ARG": (400, "INVALID_ARGUMENT"),
+            "INTERNAL": (500, "INTERNAL"), "CANCELLED": (400, "CANCELLED")}
+
+
+def code_of(message: str) -> str | None:
+    """The code an error message starts with ("overloaded: 3 waiting" -> "overloaded"); None without one."""
+    head, colon, _ = message.partition(":")
+    head = head.strip()
+    return head if colon and head.isidentifier() and head.islower() else None
+
+
+def retry_later(code: str | None) -> bool:
+    return code in RETRY_LATER_CODES
+
+
+def triton_status(code: str | None) -> str:
+    """The Triton status (a key of STATUSES) an error of `code` is answered with: retry-later codes
+    UNAVAILABLE, "cancelled" CANCELLED, "internal" INTERNAL, every other code (bad input) INVALID_ARG."""
+    if retry_later(code):
+        return "UNAVAILABLE"
+    return {CANCELLED: "CANCELLED", INTERNAL: "INTERNAL"}.get(code, "INVALID_ARG")
+
+
+def http_status(code: str | None) -> int:
+    return STATUSES[triton_status(code)][0]
+
+
+# -- affinity -----------------------------------------------------------------------------------
+USER_HEADER = "x-prefillonly-user"  # a request's user: the front door routes by it (gRPC metadata is a header too)
+REPLICA_HEADER = "x-prefillonly-replica"  # on every answer through the front door: host:port of the replica
+
+
+def user_header_value(user: str) -> str:
+    """The header value for a user id: the id itself, or, where it is not printable ASCII (not a
+    valid header value), a stable digest of it, so that the same user always lands on one replica."""
+    return user if user.isascii() and user.isprintable() else "sha256-" + hashlib.sha256(user.encode()).hexdigest()
+
+
+def routing_headers(user) -> dict:
+    """The affinity header of a request of `user` (nothing for no user or an empty one)."""
+    return {USER_HEADER: user_header_value(user)} if isinstance(user, str) and user else {}
+
+
+# -- results ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TokenScore:
+    id: int
+    text: str
+    logprob: float  # log-probability over the full vocabulary
+    prob: float  # allowed tokens: renormalised over the allowed set; top_k entries: exp(logprob)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TokenScore":
+        return cls(id=d["id"], text=d["text"], logprob=d["logprob"], prob=d["prob"])
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    """What a scoring request returns (names fixed by docs/design.md §5); prefillonly.result is it."""
+    tokens: list[TokenScore]  # one per allowed token, in the order asked
+    chosen: TokenScore  # the allowed token with the highest probability
+    top_k: list[TokenScore] = field(default_factory=list)  # full-vocabulary top tokens, if asked
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V came from a cache instead of being computed
+    peak_bytes: int | None = None  # measured peak memory growth of the request (None if unmeasurable)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        """Its `result_json` form."""
+        return json.dumps(self.to_dict(), ensure_ascii=False)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ScoreResult":
+        return cls(tokens=[TokenScore.from_dict(t) for t in d["tokens"]], chosen=TokenScore.from_dict(d["chosen"]),
+                   top_k=[TokenScore.from_dict(t) for t in d.get("top_k", ())], prompt_tokens=d.get("prompt_tokens", 0),
+                   cached_tokens=d.get("cached_tokens", 0), peak_bytes=d.get("peak_bytes"))
+
+
+def result_documents(values) -> list[dict]:
+    """The JSON documents of an answer's result_json: a tensor or list of them, or a single one
+    (HTTP generate sends one result as a scalar)."""
+    if values is None:
+        return []
+    if isinstance(values, (str, bytes)):
+        values = [values]
+    return [json.loads(v) for v in values]
+
+
+def decode_results(values) -> list[ScoreResult]:
+    """An answer's result_json as ScoreResults."""
+    return [ScoreResult.from_dict(d) for d in result_documents(values)]
