@@ -160,11 +160,7 @@ class HybridPrefillExecutor:
         if spec.embed_scale is not None:  # Gemma: the scale rounded to the model dtype, as transformers does
             ws["hidden"].mul_(torch.tensor(spec.embed_scale, dtype=self.dtype))
         chunks = [(c0, min(plan.new_tokens, c0 + plan.chunk)) for c0 in range(0, plan.new_tokens, plan.chunk)]
-        # each chunk's pieces with their rows' RoPE tables (per table), built once and reused by every layer
-        pieces = {kind: [[(i, r0, r1, *rotary.cos_sin(seqs[i].prefix_tokens + r0, seqs[i].prefix_tokens + r1, self.rope_dtype,
-                                                      long=spec.rope_long(seqs[i].regime_length)))
-                          for i, r0, r1 in batch.pieces(c0, c1)] for c0, c1 in chunks]
-                  for kind, rotary in self.rotaries.items()}
+        pieces = self._rope_pieces(batch, chunks)
         # per sequence: its queries (packed rows) and its K/V segment ([Hkv, P + S, hd])
         qs = [ws["q"][:, r : r + s.new_tokens] for r, s in zip(batch.row_starts, seqs)]
         ks = [ws["k"][:, a : a + s.prefix_tokens + s.new_tokens] for a, s in zip(batch.kv_starts, seqs)]
@@ -189,12 +185,8 @@ class HybridPrefillExecutor:
             if fused is not None:  # one launch, each output over its own query segment
                 fused.run(li, ws["q"], ws["k"], ws["v"], window, softcap)
                 attn = qs
-            elif inplace_attention:  # each output is its own query segment
-                attn = [causal_attention_inplace(q, k, v, self.scale, backend=self.attention_backend, window=window, softcap=softcap)
-                        for q, k, v in zip(qs, ks, vs)]
             else:
-                attn = [causal_attention(q, k, v, self.scale, self.attention_backend, window=window, softcap=softcap)
-                        for q, k, v in zip(qs, ks, vs)]
+                attn = self._attend(qs, ks, vs, inplace_attention, window, softcap)
             for (c0, c1), chunk_pieces in zip(chunks, layer_pieces):
                 self._mlp_chunk(layer, ws, attn, c0, c1, chunk_pieces)
             del attn
@@ -202,6 +194,24 @@ class HybridPrefillExecutor:
         logits = self._last_logits(ws, [r + s.new_tokens - 1 for r, s in zip(batch.row_starts, seqs)])
         self.tokens_computed += plan.new_tokens
         return BatchOutput(logits=logits, captured=[c.captured if c else None for c in captures])
+
+    def _rope_pieces(self, batch: ForwardBatch, chunks: list[tuple[int, int]]) -> dict:
+        """Per RoPE table kind, each chunk's pieces with their rows' cos/sin tables: built once per
+        forward and reused by every layer."""
+        seqs, spec = batch.sequences, self.spec
+        return {kind: [[(i, r0, r1, *rotary.cos_sin(seqs[i].prefix_tokens + r0, seqs[i].prefix_tokens + r1, self.rope_dtype,
+                                                    long=spec.rope_long(seqs[i].regime_length)))
+                        for i, r0, r1 in batch.pieces(c0, c1)] for c0, c1 in chunks]
+                for kind, rotary in self.rotaries.items()}
+
+    def _attend(self, qs, ks, vs, inplace: bool, window: int, softcap: float) -> list[torch.Tensor]:
+        """Each sequence's causal attention on the torch or compiled paths: written over its own
+        query segment (in place), or into a new tensor."""
+        if inplace:
+            return [causal_attention_inplace(q, k, v, self.scale, backend=self.attention_backend, window=window, softcap=softcap)
+                    for q, k, v in zip(qs, ks, vs)]
+        return [causal_attention(q, k, v, self.scale, self.attention_backend, window=window, softcap=softcap)
+                for q, k, v in zip(qs, ks, vs)]
 
     def _batch_attention(self, batch: ForwardBatch):
         """The Triton attention of this batch, and per sequence the (pool, slots) its prefix is

@@ -107,15 +107,7 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
                           linear_outputs=not allocates_output(linear_backend))
     in_place_kernel = triton_covers(attention_backend, device, dtype, spec.head_dim)
     cpu_kernel = cpu_flash_covers(attention_backend, device, dtype, spec.head_dim)
-    if in_place_kernel:  # the Triton kernel writes over Q and allocates nothing
-        attention = 0
-    elif cpu_kernel:
-        longest_keys = max(n + p for n, p in members)  # one call at a time: the longest sequence's
-        attention = cpu_flash_scratch_bytes(spec.head_dim, spec.num_heads // spec.num_kv_heads, spec.num_kv_heads,
-                                            longest_keys, dtype)
-    else:  # torch paths: SDPA for plain causal layers, the banded path for windowed or capped ones
-        attention = max(_torch_attention_bytes(spec, members, e, window, inplace_attention)
-                        for window in {spec.layer_window(i) for i in range(spec.num_layers)})
+    attention = _attention_bytes(spec, members, dtype, inplace_attention, in_place_kernel, cpu_kernel)
     linear = _linear_call_bytes(spec, plan.chunk, b, dtype, device, linear_backend)
     if in_place_kernel or cpu_kernel:  # attention writes over Q: its scratch is freed before any projection runs
         linear = max(0, linear - attention)
@@ -134,6 +126,21 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
         unseen=UNSEEN_BYTES,
     )
 
+
+
+def _attention_bytes(spec: ModelSpec, members: list[tuple[int, int]], dtype: torch.dtype, inplace: bool,
+                     triton_kernel: bool, cpu_kernel: bool) -> int:
+    """Attention's part of the prediction (batch_peak_components' `attention`)."""
+    if triton_kernel:  # the Triton kernel writes over Q and allocates nothing
+        return 0
+    if cpu_kernel:
+        longest_keys = max(n + p for n, p in members)  # one call at a time: the longest sequence's
+        return cpu_flash_scratch_bytes(spec.head_dim, spec.num_heads // spec.num_kv_heads, spec.num_kv_heads,
+                                       longest_keys, dtype)
+    # torch paths: SDPA for plain causal layers, the banded path for windowed or capped ones
+    e = torch.tensor([], dtype=dtype).element_size()
+    return max(_torch_attention_bytes(spec, members, e, window, inplace)
+               for window in {spec.layer_window(i) for i in range(spec.num_layers)})
 
 
 def _linear_call_bytes(spec: ModelSpec, chunk: int, last_rows: int, dtype: torch.dtype, device: torch.device,

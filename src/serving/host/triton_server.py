@@ -93,7 +93,21 @@ class TritonServer(LoggedProcess):
         # python backend shared-memory regions under /dev/shm: a unique prefix per server, so that
         # servers side by side never collide and stop() can remove what a killed server left
         self._shm_prefix = f"prefillonly_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
-        command = [
+        command = self._command(binary, repo, server_dir, host, log_verbose)
+        if exit_timeout_secs is not None:
+            command.append(f"--exit-timeout-secs={int(exit_timeout_secs)}")
+        if not open_admin_api:
+            self.admin_key = admin_key or secrets.token_hex(16)
+            apis = ",".join(ADMIN_APIS)
+            command += [f"--http-restricted-api={apis}:{ADMIN_KEY_HEADER}={self.admin_key}",
+                             f"--grpc-restricted-protocol={apis}:{ADMIN_KEY_HEADER}={self.admin_key}"]
+        command += [str(a) for a in extra_args]
+        self._spawn(command, log_path, env=env, cwd=str(server_dir))
+        return self
+
+    def _command(self, binary: Path, repo: Path, server_dir: Path, host: str, log_verbose: int) -> list[str]:
+        """tritonserver's command line for this server's ports, repository and shm prefix."""
+        return [
             str(binary),
             f"--model-repository={repo}",
             f"--backend-directory={server_dir / 'backends'}",
@@ -109,16 +123,6 @@ class TritonServer(LoggedProcess):
             f"--log-verbose={int(log_verbose)}",
             f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",
         ]
-        if exit_timeout_secs is not None:
-            command.append(f"--exit-timeout-secs={int(exit_timeout_secs)}")
-        if not open_admin_api:
-            self.admin_key = admin_key or secrets.token_hex(16)
-            apis = ",".join(ADMIN_APIS)
-            command += [f"--http-restricted-api={apis}:{ADMIN_KEY_HEADER}={self.admin_key}",
-                             f"--grpc-restricted-protocol={apis}:{ADMIN_KEY_HEADER}={self.admin_key}"]
-        command += [str(a) for a in extra_args]
-        self._spawn(command, log_path, env=env, cwd=str(server_dir))
-        return self
 
     def is_ready(self) -> bool:
         return http_status(f"{self.http_url}/v2/health/ready") == 200
