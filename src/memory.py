@@ -180,7 +180,7 @@ class ActivationBudget:
 
     def peak_bytes(self, shape: list[tuple[int, int]], captured: int = 0, inplace: bool = False) -> int:
         """Predicted peak of one forward over `shape` = [(new tokens, prefix tokens)]."""
-        return predict_batch_peak_bytes(self.spec, [tuple(m) for m in shape], self.chunk_size, self.dtype, captured, inplace,
+        return predict_batch_peak_bytes(self.spec, list(shape), self.chunk_size, self.dtype, captured, inplace,
                                         self.attention_backend, self.device, self.linear_backend)
 
 

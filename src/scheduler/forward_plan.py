@@ -3,8 +3,9 @@ memory decisions beyond which requests share a step.
 
     attention_in_place(budget, shape, captured)    False if the step fits with attention out of
                                                    place, True if only in place, else OverBudgetError
-    plan_items(budget, shared, cached, items)      a multi-item request: the shared prompt's mode,
-                                                   the items' mode and their grouping per forward
+    item_modes(budget, shared, cached, items)      a multi-item request: the shared prompt's mode and
+                                                   the items' mode (what submit checks)
+    plan_items(budget, shared, cached, items)      those modes and the items' grouping per forward
 
 The same functions answer at submit (Scheduler.add, with nothing cached: the worst case) and at
 pick time (on the member's real split), so a prompt that can never fit is refused before it waits.
@@ -31,13 +32,19 @@ def attention_in_place(budget: StepBudget, shape: list[TokenSplit], captured: in
         f"{memory.budget_bytes / 2**20:.1f} MiB (raise activation_budget_bytes or lower chunk_size)")
 
 
+def item_modes(budget: StepBudget, shared_tokens: int, cached: int, items: list[int]) -> tuple[bool, bool]:
+    """Whether a multi-item request's shared prompt, and its longest item over the held shared K/V,
+    need attention in place (OverBudgetError if either fits neither way): the whole check at submit."""
+    return (attention_in_place(budget, [TokenSplit(shared_tokens - cached, cached)], captured=shared_tokens),
+            attention_in_place(budget, [TokenSplit(max(items), shared_tokens)], captured=shared_tokens))
+
+
 def plan_items(budget: StepBudget, shared_tokens: int, cached: int, items: list[int]) -> ItemsPlan:
     """The shared prompt once (its K/V held for the request, counted like a capture of its size),
     then consecutive items per forward while their tokens fit the token budget and the step's
     prediction (each item reads the shared K/V as its prefix) fits the memory budget; items that
     need attention in place run one per forward."""
-    shared_inplace = attention_in_place(budget, [TokenSplit(shared_tokens - cached, cached)], captured=shared_tokens)
-    items_inplace = attention_in_place(budget, [TokenSplit(max(items), shared_tokens)], captured=shared_tokens)
+    shared_inplace, items_inplace = item_modes(budget, shared_tokens, cached, items)
     groups: list[list[int]] = []
     group: list[int] = []
     tokens = 0

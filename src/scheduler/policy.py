@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 from ..errors import DeadlineExceededError, OverloadedError, PrefillOnlyError
 from ..stats import EngineCounters
-from .forward_plan import attention_in_place, plan_items
+from .forward_plan import attention_in_place, item_modes, plan_items
 from .groups import group_costs
 from .jct import JctEstimator
 from .plan import Answer, Schedulable, StepBudget, StepMember, StepOutcome, StepPlan, TokenSplit
@@ -80,7 +80,7 @@ class Scheduler:
         try:
             if len(self._waiting) >= self.max_waiting:
                 raise OverloadedError(f"overloaded: {len(self._waiting)} requests already waiting (max_waiting {self.max_waiting}); retry later")
-            self._plan_forward(req, cached=0)
+            self._check_fits_alone(req)
         except PrefillOnlyError as e:
             self.counters.rejected[e.code] += 1
             raise
@@ -218,6 +218,14 @@ class Scheduler:
             return
         self.counters.inplace_attention += plan.inplace_attention + (
             plan.items.shared_inplace + plan.items.items_inplace if plan.items else 0)
+
+    def _check_fits_alone(self, req: Schedulable) -> None:
+        """OverBudgetError if `req` could not run even alone with nothing cached (no item groups:
+        those are planned when it is picked)."""
+        if req.item_tokens is not None:
+            item_modes(self.budget, req.cache_tokens, 0, req.item_tokens)
+        else:
+            attention_in_place(self.budget, [TokenSplit(req.prompt_tokens, 0)])
 
     def _plan_forward(self, req: Schedulable, cached: int):
         """(attention in place, ItemsPlan or None) for `req` run alone with `cached` tokens read."""
