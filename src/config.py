@@ -26,6 +26,7 @@ from .kernels.linear import LINEAR_BACKENDS
 from .limits import DEFAULT_MAX_ITEMS, default_max_prompts
 from .paths import default_cache_dir
 from .scheduler.policy import DEFAULT_LAMBDA_TOKENS_PER_S, DEFAULT_MAX_WAITING, POLICIES
+from .setting_strings import is_unset, optional_int
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Uncached tokens per forward step by device type. CPU: from perf/bench_batching.py's sweep
@@ -88,22 +89,22 @@ class EngineConfig:
         self.dtype, self.dtype_reason = resolve_dtype(requested, self.device)
         if self.dtype == "float16" and self.device == "cpu":
             raise ConfigError("dtype float16 is only supported on CUDA; use bfloat16 or float32 on CPU")
-        self.chunk_size = _optional_int("chunk_size", self.chunk_size, minimum=0) or None
-        self.max_input_len = _optional_int("max_input_len", self.max_input_len, minimum=1)
-        self.activation_budget_bytes = _optional_int("activation_budget_bytes", self.activation_budget_bytes, minimum=1)
-        self.threads = _optional_int("threads", self.threads, minimum=1)
-        self.cache_budget_bytes = _optional_int("cache_budget_bytes", self.cache_budget_bytes, minimum=0)
-        self.cache_block_size = _optional_int("cache_block_size", self.cache_block_size, minimum=1)
-        self.cache_second_tier_bytes = _optional_int("cache_second_tier_bytes", self.cache_second_tier_bytes, minimum=0) or 0
+        self.chunk_size = optional_int("chunk_size", self.chunk_size, minimum=0) or None
+        self.max_input_len = optional_int("max_input_len", self.max_input_len, minimum=1)
+        self.activation_budget_bytes = optional_int("activation_budget_bytes", self.activation_budget_bytes, minimum=1)
+        self.threads = optional_int("threads", self.threads, minimum=1)
+        self.cache_budget_bytes = optional_int("cache_budget_bytes", self.cache_budget_bytes, minimum=0)
+        self.cache_block_size = optional_int("cache_block_size", self.cache_block_size, minimum=1)
+        self.cache_second_tier_bytes = optional_int("cache_second_tier_bytes", self.cache_second_tier_bytes, minimum=0) or 0
         # limits: None ("" or "none" in the model config) is the default, never "no limit"
-        self.max_items = _optional_int("max_items", self.max_items, minimum=1) or DEFAULT_MAX_ITEMS
-        self.max_waiting = _optional_int("max_waiting", self.max_waiting, minimum=1) or DEFAULT_MAX_WAITING
-        self.max_prompts_per_request = _optional_int("max_prompts_per_request", self.max_prompts_per_request, minimum=1)
+        self.max_items = optional_int("max_items", self.max_items, minimum=1) or DEFAULT_MAX_ITEMS
+        self.max_waiting = optional_int("max_waiting", self.max_waiting, minimum=1) or DEFAULT_MAX_WAITING
+        self.max_prompts_per_request = optional_int("max_prompts_per_request", self.max_prompts_per_request, minimum=1)
         if self.max_prompts_per_request is None:
             self.max_prompts_per_request = default_max_prompts(self.max_waiting)
-        self.max_allowed_tokens = _optional_int("max_allowed_tokens", self.max_allowed_tokens, minimum=1) or DEFAULT_MAX_ALLOWED_TOKENS
-        self.max_prompt_bytes = _optional_int("max_prompt_bytes", self.max_prompt_bytes, minimum=1)
-        self.max_batch_tokens = _optional_int("max_batch_tokens", self.max_batch_tokens, minimum=1)
+        self.max_allowed_tokens = optional_int("max_allowed_tokens", self.max_allowed_tokens, minimum=1) or DEFAULT_MAX_ALLOWED_TOKENS
+        self.max_prompt_bytes = optional_int("max_prompt_bytes", self.max_prompt_bytes, minimum=1)
+        self.max_batch_tokens = optional_int("max_batch_tokens", self.max_batch_tokens, minimum=1)
         if self.max_prompts_per_request > self.max_waiting:
             # such a request could never be queued whole: it would be answered "overloaded" forever
             raise ConfigError(f"max_prompts_per_request {self.max_prompts_per_request} is over max_waiting "
@@ -165,16 +166,6 @@ class EngineConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"unknown engine setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**{k: (None if str(v).strip().lower() in ("", "none", "null") else v) for k, v in values.items()})
+        return cls(**{k: (None if is_unset(v) else v) for k, v in values.items()})
 
 
-def _optional_int(name: str, value, minimum: int) -> int | None:
-    if value is None:
-        return None
-    try:
-        number = int(str(value).strip().replace("_", ""))
-    except ValueError:
-        raise ConfigError(f"{name} must be an integer, got {value!r}") from None
-    if number < minimum:
-        raise ConfigError(f"{name} must be >= {minimum}, got {number}")
-    return number

@@ -22,6 +22,7 @@ PACKAGE = "prefillonly"
 # door, the frontend and the clients), and the whole frontend: it reads the engine's settings
 # without building EngineConfig (only its tokenizer, loaded at start, is transformers').
 TENSOR_FREE = ("prefillonly.scheduler", "prefillonly.cache.index", "prefillonly.hardware", "prefillonly.wire",
+               "prefillonly.setting_strings",
                "prefillonly.result",
                *sorted(f"prefillonly.serving.{p.parent.name}.{p.stem}" for p in SRC.glob("serving/*/*.py")
                        if p.stem != "__init__"),

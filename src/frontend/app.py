@@ -24,6 +24,7 @@ from ..limits import DEFAULT_MAX_ITEMS, default_max_prompts
 from ..paths import default_cache_dir
 from ..scheduler.policy import DEFAULT_MAX_WAITING
 from ..serving.host.model_settings import engine_settings
+from ..setting_strings import is_unset, optional_int
 from ..wire import MODEL
 from .presets import PRESETS_FILE, TemplateTokenizer, load_presets
 from .scoring import Limits, Scoring
@@ -32,7 +33,6 @@ from .upstream import TritonUpstream
 log = logging.getLogger("prefillonly.frontend")
 # on SIGTERM, calls in flight get this long to finish (the supervisor has drained the engine by then)
 GRACEFUL_SHUTDOWN_S = 5
-UNSET = ("", "none", "null")  # a string setting that means "the default" (EngineConfig.from_strings)
 
 
 @dataclass(frozen=True)
@@ -47,13 +47,14 @@ class ServedSettings:
     @classmethod
     def read(cls, model_dir: str | Path) -> "ServedSettings":
         """From `model_dir`/config.pbtxt's parameters; ConfigError for one that is not a number."""
-        values = {k: v for k, v in engine_settings(model_dir).items() if v.strip().lower() not in UNSET}
+        values = {k: v for k, v in engine_settings(model_dir).items() if not is_unset(v)}
 
         def number(name: str, default: int | None) -> int | None:
             try:
-                return int(values[name].strip().replace("_", "")) if name in values else default
-            except ValueError:
-                raise ConfigError(f"{model_dir}/config.pbtxt: {name} must be an integer, got {values[name]!r}") from None
+                value = optional_int(name, values.get(name), minimum=1)
+            except ConfigError as e:
+                raise ConfigError(f"{model_dir}/config.pbtxt: {e}") from None
+            return default if value is None else value
 
         return cls(model=values.get("model"), cache_dir=values.get("cache_dir") or default_cache_dir(),
                    max_input_len=number("max_input_len", None), max_items=number("max_items", DEFAULT_MAX_ITEMS),
