@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from perf import benchutil as bu
 from prefillonly.executor import ForwardBatch, HybridPrefillExecutor, Sequence
+from prefillonly.kernels.backend import KernelBackend
 from prefillonly.kernels import gpu_support
 from prefillonly.memory import PeakMemoryMeter, predict_peak_bytes
 from prefillonly.model_spec import ModelSpec
@@ -317,9 +318,9 @@ def check_one_config(report: Report, plan: Plan, label: str, config, seed: int) 
     with tempfile.TemporaryDirectory() as folder:
         hf_fp32.save_pretrained(folder)
         spec = ModelSpec.from_folder(folder)
-        ours = {dt: HybridPrefillExecutor(spec, ModelWeights.load(folder, spec, dt, dev), dt, dev, "sdpa") for dt in (torch.bfloat16, torch.float32)}
+        ours = {dt: HybridPrefillExecutor(spec, ModelWeights.load(folder, spec, dt, dev), KernelBackend(dev, dt, spec.head_dim, "sdpa")) for dt in (torch.bfloat16, torch.float32)}
         if "triton" in backends(dev):  # bf16 on the Triton kernels (fp32 stays on the torch ops)
-            ours["triton"] = HybridPrefillExecutor(spec, ModelWeights.load(folder, spec, torch.bfloat16, dev), torch.bfloat16, dev, "triton")
+            ours["triton"] = HybridPrefillExecutor(spec, ModelWeights.load(folder, spec, torch.bfloat16, dev), KernelBackend(dev, torch.bfloat16, spec.head_dim, "triton"))
     hf_bf16 = copy.deepcopy(hf_fp32).to(torch.bfloat16).to(dev)
     hf_fp32 = hf_fp32.to(dev)
     gen = torch.Generator().manual_seed(1000 + seed)
@@ -435,7 +436,7 @@ def measure_warm_requests(report: Report, plan: Plan, matmul_rate: float | None)
             if seconds_left(plan) < 60:
                 report.add("errors", {"step": f"warm P={p} S={s} {backend}", "error": "skipped: time budget"})
                 continue
-            executor = HybridPrefillExecutor(spec, weights, torch.bfloat16, dev, backend)
+            executor = HybridPrefillExecutor(spec, weights, KernelBackend(dev, torch.bfloat16, spec.head_dim, backend))
             cache = PrefixCache(spec, torch.bfloat16, dev, block_size=16, budget_bytes=2 * p * spec.kv_width * spec.num_layers * 2 + (64 << 20))
             keep = cache.begin(cache.hashes(ids[:p].tolist(), None), p + 1, p)  # computes the profile's blocks
             executor.forward(ids[: p + 1], chunk, sink=keep.sink)
@@ -537,7 +538,7 @@ def measure_performance(report: Report, plan: Plan, matmul_rate: float | None) -
     report.add("env", {"key": "perf_model", "value": f"{shape}, N={spec.non_embedding_params() / 1e9:.3f}e9"})
     log(f"perf: making random weights ({weight_bytes(spec, torch.bfloat16) / 1e9:.2f} GB bf16)")
     weights = ModelWeights.random(spec, torch.bfloat16, dev)
-    executors = {b: HybridPrefillExecutor(spec, weights, torch.bfloat16, dev, b) for b in backends(dev)}
+    executors = {b: HybridPrefillExecutor(spec, weights, KernelBackend(dev, torch.bfloat16, spec.head_dim, b)) for b in backends(dev)}
     gen = torch.Generator().manual_seed(7)
     prompt = torch.randint(0, spec.vocab_size, (max(plan.perf_lengths),), generator=gen, dtype=torch.long)
 
@@ -598,7 +599,7 @@ def measure_memory(report: Report, plan: Plan) -> None:
 
     weights = ModelWeights.random(spec, torch.bfloat16, dev)
     for backend in backends(dev):
-        executor = HybridPrefillExecutor(spec, weights, torch.bfloat16, dev, backend)
+        executor = HybridPrefillExecutor(spec, weights, KernelBackend(dev, torch.bfloat16, spec.head_dim, backend))
         ours = [(f"hybrid {backend}", plan.memory_chunk)] + ([(f"unchunked {backend}", None)] if backend == "sdpa" else [])
         for method, chunk in ours:
             for s in plan.memory_lengths:
@@ -620,7 +621,7 @@ def measure_engine_peak(report, plan, executor, spec, ids, method, chunk, card_l
     meter.start()
     executor.forward(ids, chunk)
     peak = meter.peak_growth()
-    predicted = predict_peak_bytes(spec, len(ids), chunk, torch.bfloat16, attention_backend=executor.attention_backend, device=plan.device)
+    predicted = predict_peak_bytes(spec, len(ids), chunk, torch.bfloat16, attention_backend=executor.kernels.attention, device=plan.device)
     report.add("memory", memory_row(method, len(ids), chunk, peak, predicted, card_left))
 
 

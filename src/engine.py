@@ -36,8 +36,7 @@ from .config import EngineConfig
 from .default_model import ensure_default_model
 from .errors import ConfigError, EngineClosedError, InvalidRequestError
 from .executor import HybridPrefillExecutor
-from .kernels.attention import AttentionShape, resolve_backend
-from .kernels.linear import resolve_linear_backend
+from .kernels.backend import KernelBackend
 from .limits import RequestLimits, max_token_bytes
 from .memory import ActivationBudget, available_memory_bytes
 from .model_spec import ModelSpec
@@ -76,7 +75,7 @@ class Engine:
         self.executor.forward(torch.zeros(8, dtype=torch.long), config.chunk_size)  # warm-up
         self.jct = JctEstimator(fallback_s_per_token=self._time_per_token())
         self.max_batch_tokens = config.batch_token_budget
-        self.memory = ActivationBudget(self.executor, config.chunk_size, self.activation_budget_bytes)
+        self.memory = ActivationBudget(self.spec, self.executor.kernels, config.chunk_size, self.activation_budget_bytes)
         self.runner = PrefillRunner(self.executor, self.cache, config.chunk_size, self.encoder.token_text)
         self.scheduler = Scheduler(config.scheduling_policy, self.jct, IndexPrefixView(self.cache.index) if self.cache else None,
                                    budget=StepBudget(self.max_batch_tokens, self.memory), max_waiting=config.max_waiting,
@@ -96,21 +95,20 @@ class Engine:
             "prefix cache %.1f MiB in blocks of %d (+%.1f MiB second tier), activation budget %.1f MiB, "
             "scheduling %s, up to %d tokens per step, %.1f s",
             self.model_path, self.spec.architecture, self.spec.num_layers, config.dtype, self.device,
-            config.chunk_size or "none", self.executor.attention_backend, self.executor.linear_backend, self.max_input_len,
+            config.chunk_size or "none", self.executor.kernels.attention, self.executor.kernels.linear, self.max_input_len,
             cache_bytes / 2**20, config.cache_block_size, config.cache_second_tier_bytes / 2**20,
             self.activation_budget_bytes / 2**20, config.scheduling_policy, self.max_batch_tokens, time.perf_counter() - t0,
         )
 
     def _load_executor(self) -> HybridPrefillExecutor:
-        """The weights, the attention and GEMM backends (chosen once, here), the executor."""
+        """The weights, the kernels (chosen once, here: the GEMMs timed on layer 0's own weights
+        where auto), the executor (which packs the weights for them)."""
         config, spec = self.config, self.spec
         weights = ModelWeights.load(self.model_path, spec, self.dtype, self.device)
-        backend = resolve_backend(config.attention_backend, self.device,
-                                  AttentionShape(self.dtype, spec.head_dim, spec.num_heads, spec.num_kv_heads))
-        # the GEMMs' backend, timed on layer 0's own weights (auto); the executor packs them for it
-        linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype, weights.layers[0].projections())
+        kernels = KernelBackend.choose(self.device, self.dtype, spec.head_dim, spec.num_heads, spec.num_kv_heads,
+                                       config.attention_backend, config.linear_backend, weights.layers[0].projections())
         self.weight_bytes = weights.nbytes()
-        return HybridPrefillExecutor(spec, weights, self.dtype, self.device, backend, linear_backend)
+        return HybridPrefillExecutor(spec, weights, kernels)
 
     def _load_prompts(self) -> None:
         """The tokenizer, the request limits and the prompt encoder."""
@@ -191,7 +189,7 @@ class Engine:
                 waiting=len(self.scheduler), counters=self.scheduler.counters.copy(), jct_mean_abs_rel_error=self.jct.mean_abs_relative_error(),
                 tokens_computed=self.executor.tokens_computed, steps=self._steps, recent_steps=list(self._recent_steps),
                 dtype=self.config.dtype, dtype_reason=self.config.dtype_reason, budget_bytes=budget,
-                attention_backend=self.executor.attention_backend, linear_backend=self.executor.linear_backend,
+                attention_backend=self.executor.kernels.attention, linear_backend=self.executor.kernels.linear,
                 cache=copy.copy(self.cache.stats) if self.cache else None,
                 cache_bytes_in_use=self.cache.bytes_in_use() if self.cache else {})
 

@@ -3,7 +3,7 @@
 Per layer:
   A. per token chunk of the packed rows: RMSNorm -> fused QKV matmul -> (q/k norm) -> RoPE at
      each sequence's own positions, written into that sequence's Q/K/V segment;
-  B. attention per sequence, over its whole length at once (kernels.causal_attention), its
+  B. attention per sequence, over its whole length at once (KernelBackend.attend), its
      cached prefix K/V first; on the Triton backend one launch for the whole batch, reading
      pool-backed prefixes in place (kernels.gpu_attention);
   C. per token chunk: o_proj + residual add, RMSNorm, fused gate/up matmul, SwiGLU, down_proj
@@ -26,10 +26,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .prefix_io import CaptureSink, KVSink, PrefixKV, PrefixSource, Sinks
-from .kernels.ops import add_rms_norm_, rms_norm_needs_scratch, rope_qkv_into, rope_table_dtype
-from .kernels import causal_attention, causal_attention_inplace, gated_activation_into, linear, rms_norm_into
-from .kernels.attention import cpu_flash_applies, triton_covers
-from .kernels.linear import allocates_output
+from .kernels.backend import KernelBackend
+from .kernels.linear import linear
 from .model_spec import ModelSpec
 from .rope import RotaryTable
 from .weights import ModelWeights
@@ -112,21 +110,21 @@ class BatchOutput:
 
 
 class HybridPrefillExecutor:
-    def __init__(self, spec: ModelSpec, weights: ModelWeights, dtype: torch.dtype, device: torch.device, attention_backend: str = "sdpa",
-                 linear_backend: str = "aten"):
-        """linear_backend: a concrete kernels.linear backend; the layers' weights are packed for it
-        here (in `weights`, replacing the plain tensors)."""
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, kernels: KernelBackend):
+        """kernels: what this executor computes with (chosen once: KernelBackend.choose); the
+        layers' weights are packed for its linear backend here (in `weights`, replacing the plain
+        tensors)."""
         self.spec = spec
-        self.weights = weights.pack_linears(linear_backend)
-        self.linear_backend = linear_backend
-        self.dtype = dtype
-        self.device = device
-        self.attention_backend = attention_backend
+        self.kernels = kernels
+        self.ops = kernels.ops
+        self.weights = weights.pack_linears(kernels.linear)
+        self.dtype = kernels.dtype
+        self.device = kernels.device
         # one RoPE table per layer type where the config has one per type, else one for all
         self.layer_rope = [spec.rope_table(i) for i in range(spec.num_layers)]
-        self.rotaries = {t: RotaryTable(spec, device, t) for t in set(self.layer_rope)}
+        self.rotaries = {t: RotaryTable(spec, self.device, t) for t in set(self.layer_rope)}
         self.scale = spec.softmax_scale
-        self.rope_dtype = rope_table_dtype(device, dtype)
+        self.rope_dtype = kernels.rope_dtype
         self.tokens_computed = 0  # prompt tokens run through the layers, all requests (a counter)
 
     def forward(self, token_ids: torch.Tensor, chunk_size: int | None, prefix: PrefixSource | None = None,
@@ -152,8 +150,7 @@ class HybridPrefillExecutor:
         captures = [CaptureSink(*s.capture) if s.capture else None for s in seqs]
         sinks = [Sinks(s.sink, c) if (s.sink is not None or c is not None) else None for s, c in zip(seqs, captures)]
         plan = plan_workspace(spec, batch.new_tokens, chunk_size, self.dtype, batch.prefix_tokens,
-                              fp32_scratch=rms_norm_needs_scratch(self.device, self.dtype, spec.qk_norm),
-                              linear_outputs=not allocates_output(self.linear_backend))
+                              fp32_scratch=self.kernels.norm_scratch(spec.qk_norm), linear_outputs=self.kernels.linear_outputs)
         ws = allocate(plan, self.device)
         ids = torch.cat([s.token_ids for s in seqs]) if len(seqs) > 1 else seqs[0].token_ids
         torch.index_select(self.weights.embed, 0, ids.to(self.device), out=ws["hidden"])
@@ -165,9 +162,8 @@ class HybridPrefillExecutor:
         qs = [ws["q"][:, r : r + s.new_tokens] for r, s in zip(batch.row_starts, seqs)]
         ks = [ws["k"][:, a : a + s.prefix_tokens + s.new_tokens] for a, s in zip(batch.kv_starts, seqs)]
         vs = [ws["v"][:, a : a + s.prefix_tokens + s.new_tokens] for a, s in zip(batch.kv_starts, seqs)]
-        inplace_attention = inplace_attention or cpu_flash_applies(self.attention_backend, ws["q"])
         fused, paged = None, [None] * len(seqs)
-        if triton_covers(self.attention_backend, self.device, self.dtype, spec.head_dim):
+        if self.kernels.attention_path == "triton":
             fused, paged = self._batch_attention(batch)
         loads = [s.prefix_tokens > 0 and pg is None for s, pg in zip(seqs, paged)]  # the rest are read in place
 
@@ -186,7 +182,7 @@ class HybridPrefillExecutor:
                 fused.run(li, ws["q"], ws["k"], ws["v"], window, softcap)
                 attn = qs
             else:
-                attn = self._attend(qs, ks, vs, inplace_attention, window, softcap)
+                attn = [self.kernels.attend(q, k, v, self.scale, inplace_attention, window, softcap) for q, k, v in zip(qs, ks, vs)]
             for (c0, c1), chunk_pieces in zip(chunks, layer_pieces):
                 self._mlp_chunk(layer, ws, attn, c0, c1, chunk_pieces)
             del attn
@@ -203,15 +199,6 @@ class HybridPrefillExecutor:
                                                     long=spec.rope_long(seqs[i].regime_length)))
                         for i, r0, r1 in batch.pieces(c0, c1)] for c0, c1 in chunks]
                 for kind, rotary in self.rotaries.items()}
-
-    def _attend(self, qs, ks, vs, inplace: bool, window: int, softcap: float) -> list[torch.Tensor]:
-        """Each sequence's causal attention on the torch or compiled paths: written over its own
-        query segment (in place), or into a new tensor."""
-        if inplace:
-            return [causal_attention_inplace(q, k, v, self.scale, backend=self.attention_backend, window=window, softcap=softcap)
-                    for q, k, v in zip(qs, ks, vs)]
-        return [causal_attention(q, k, v, self.scale, self.attention_backend, window=window, softcap=softcap)
-                for q, k, v in zip(qs, ks, vs)]
 
     def _batch_attention(self, batch: ForwardBatch):
         """The Triton attention of this batch, and per sequence the (pool, slots) its prefix is
@@ -242,7 +229,7 @@ class HybridPrefillExecutor:
             idx = torch.tensor(rows[g : g + step], dtype=torch.long, device=self.device)
             picked = ws["hidden"].index_select(0, idx)
             last = torch.empty_like(picked)
-            rms_norm_into(last, picked, self.weights.final_norm, spec.rms_norm_eps, ws["scratch32"][: idx.shape[0], : spec.hidden_size])
+            self.ops.rms_norm_into(last, picked, self.weights.final_norm, spec.rms_norm_eps, ws["scratch32"][: idx.shape[0], : spec.hidden_size])
             out.append((last @ self.weights.lm_head.t()).float())
         logits = out[0] if len(out) == 1 else torch.cat(out)
         if spec.final_softcap is not None:  # Gemma 2: before the log-softmax, so it changes the scores
@@ -252,14 +239,14 @@ class HybridPrefillExecutor:
     def _qkv_chunk(self, layer, ws, c0, c1, pieces, seqs, ks, vs) -> None:
         """A. packed rows [c0, c1): norm, fused QKV, (q/k norm), RoPE -> each sequence's Q/K/V."""
         spec, n = self.spec, c1 - c0
-        x = rms_norm_into(ws["normed"][:n], ws["hidden"][c0:c1], layer.input_norm, spec.rms_norm_eps, ws["scratch32"][:n, : spec.hidden_size])
+        x = self.ops.rms_norm_into(ws["normed"][:n], ws["hidden"][c0:c1], layer.input_norm, spec.rms_norm_eps, ws["scratch32"][:n, : spec.hidden_size])
         out = linear(ws["qkv"][:n], x, layer.wqkv, layer.bqkv)  # ws["qkv"] or a new tensor (kernels.linear)
         qk_norm = (layer.q_norm, layer.k_norm, spec.rms_norm_eps) if layer.q_norm is not None else None  # Qwen3
         row = c0
         for i, r0, r1, cos, sin in pieces:
             a, b = row - c0, row - c0 + (r1 - r0)  # the piece's rows within this chunk
             p = seqs[i].prefix_tokens
-            rope_qkv_into(ws["q"][:, row : row + (r1 - r0)], ks[i][:, p + r0 : p + r1], vs[i][:, p + r0 : p + r1], out[a:b],
+            self.ops.rope_qkv_into(ws["q"][:, row : row + (r1 - r0)], ks[i][:, p + r0 : p + r1], vs[i][:, p + r0 : p + r1], out[a:b],
                           cos, sin, spec.num_heads, spec.num_kv_heads, qk_norm, ws["scratch32"][a:b])
             row += r1 - r0
 
@@ -278,13 +265,13 @@ class HybridPrefillExecutor:
         # a new tensor: dropped as soon as it is read, so that one is alive at a time (memory.py)
         proj = linear(ws["proj"][:n], ws["o_rows"][:n], layer.wo, layer.bo)
         if layer.attn_out_norm is not None:
-            rms_norm_into(proj, proj, layer.attn_out_norm, spec.rms_norm_eps, scratch)
-        x = add_rms_norm_(h, proj, layer.post_norm, spec.rms_norm_eps, ws["normed"][:n], scratch)
+            self.ops.rms_norm_into(proj, proj, layer.attn_out_norm, spec.rms_norm_eps, scratch)
+        x = self.ops.add_rms_norm_(h, proj, layer.post_norm, spec.rms_norm_eps, ws["normed"][:n], scratch)
         del proj
         gate_up = linear(ws["gate_up"][:n], x, layer.w_gate_up, layer.b_gate_up)
-        act = gated_activation_into(ws["act"][:n], gate_up, spec.activation)
+        act = self.ops.gated_activation_into(ws["act"][:n], gate_up, spec.activation)
         del gate_up
         down = linear(ws["proj"][:n], act, layer.w_down, layer.b_down)
         if layer.mlp_out_norm is not None:
-            rms_norm_into(down, down, layer.mlp_out_norm, spec.rms_norm_eps, scratch)
+            self.ops.rms_norm_into(down, down, layer.mlp_out_norm, spec.rms_norm_eps, scratch)
         h.add_(down)

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from .kernels.attention import (INPLACE_QUERY_BLOCK, banded_scratch_bytes, cpu_flash_covers, cpu_flash_scratch_bytes,
-                                inplace_attention_supported, triton_covers)
-from .model_spec import ModelSpec
+from .kernels.attention import INPLACE_QUERY_BLOCK, banded_scratch_bytes, cpu_flash_scratch_bytes, inplace_attention_supported
+from .kernels.backend import KernelBackend
 from .kernels.linear import allocates_output, call_scratch_bytes
-from .kernels.ops import rms_norm_needs_scratch
+from .model_spec import ModelSpec
 from .workspace import plan_workspace
 
 _PAGE = 4096  # an allocation may touch one page more than its size (its header, the rounding)
@@ -48,31 +47,16 @@ _INPLACE_FIXED_BYTES = 8 << 20
 def predict_peak_bytes(spec: ModelSpec, new_tokens: int, chunk_size: int | None, dtype: torch.dtype, prefix_tokens: int = 0,
                        captured_tokens: int = 0, inplace_attention: bool = False, attention_backend: str = "sdpa",
                        device: torch.device | str = "cpu", linear_backend: str = "aten") -> int:
-    """Peak extra bytes of a forward over `new_tokens` after `prefix_tokens` of given K/V: the sum
-    of peak_components (same arguments)."""
-    return predict_batch_peak_bytes(spec, [(new_tokens, prefix_tokens)], chunk_size, dtype, captured_tokens,
-                                    inplace_attention, attention_backend, device, linear_backend)
+    """Peak extra bytes of a forward over `new_tokens` after `prefix_tokens` of given K/V on these
+    (concrete) backends, for tools and benchmarks that have no engine: the sum of
+    batch_peak_components for a batch of one."""
+    kernels = KernelBackend(torch.device(device), dtype, spec.head_dim, attention_backend, linear_backend)
+    return sum(batch_peak_components(spec, [(new_tokens, prefix_tokens)], chunk_size, kernels, captured_tokens,
+                                     inplace_attention).values())
 
 
-def predict_batch_peak_bytes(spec: ModelSpec, members: list[tuple[int, int]], chunk_size: int | None, dtype: torch.dtype,
-                             captured_tokens: int = 0, inplace_attention: bool = False, attention_backend: str = "sdpa",
-                             device: torch.device | str = "cpu", linear_backend: str = "aten") -> int:
-    """Peak extra bytes of one ForwardBatch of `members` = [(new tokens, prefix tokens)]."""
-    return sum(batch_peak_components(spec, members, chunk_size, dtype, captured_tokens, inplace_attention,
-                                     attention_backend, device, linear_backend).values())
-
-
-def peak_components(spec: ModelSpec, new_tokens: int, chunk_size: int | None, dtype: torch.dtype, prefix_tokens: int = 0,
-                    captured_tokens: int = 0, inplace_attention: bool = False, attention_backend: str = "sdpa",
-                    device: torch.device | str = "cpu", linear_backend: str = "aten") -> dict[str, int]:
-    """batch_peak_components of a batch of one."""
-    return batch_peak_components(spec, [(new_tokens, prefix_tokens)], chunk_size, dtype, captured_tokens,
-                                 inplace_attention, attention_backend, device, linear_backend)
-
-
-def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk_size: int | None, dtype: torch.dtype,
-                          captured_tokens: int = 0, inplace_attention: bool = False, attention_backend: str = "sdpa",
-                          device: torch.device | str = "cpu", linear_backend: str = "aten") -> dict[str, int]:
+def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk_size: int | None, kernels: KernelBackend,
+                          captured_tokens: int = 0, inplace_attention: bool = False) -> dict[str, int]:
     """The prediction by part, in bytes, for a forward over B = len(members) sequences packed
     row after row (executor.ForwardBatch; a single request is a batch of one):
 
@@ -98,18 +82,15 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
     pages      one page per allocation (header and rounding): an allowance, not a buffer;
     unseen     what a forward allocates outside tensors: an allowance (UNSEEN_BYTES).
     """
+    dtype = kernels.dtype
     e = torch.tensor([], dtype=dtype).element_size()
     s = sum(n for n, _ in members)
     b = len(members)
-    device = torch.device(device)
     plan = plan_workspace(spec, s, chunk_size, dtype, sum(p for _, p in members),
-                          fp32_scratch=rms_norm_needs_scratch(device, dtype, spec.qk_norm),
-                          linear_outputs=not allocates_output(linear_backend))
-    in_place_kernel = triton_covers(attention_backend, device, dtype, spec.head_dim)
-    cpu_kernel = cpu_flash_covers(attention_backend, device, dtype, spec.head_dim)
-    attention = _attention_bytes(spec, members, dtype, inplace_attention, in_place_kernel, cpu_kernel)
-    linear = _linear_call_bytes(spec, plan.chunk, b, dtype, device, linear_backend)
-    if in_place_kernel or cpu_kernel:  # attention writes over Q: its scratch is freed before any projection runs
+                          fp32_scratch=kernels.norm_scratch(spec.qk_norm), linear_outputs=kernels.linear_outputs)
+    attention = _attention_bytes(spec, members, kernels, inplace_attention)
+    linear = _linear_call_bytes(spec, plan.chunk, b, kernels)
+    if kernels.writes_over_q:  # attention writes over Q: its scratch is freed before any projection runs
         linear = max(0, linear - attention)
     chunks = -(-s // plan.chunk)
     pieces = (chunks + b - 1) * spec.rope_tables  # chunk x sequence intersections, each with its own RoPE tables
@@ -119,7 +100,7 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
         linear=linear,
         attention=attention,
         captured=e * 2 * captured_tokens * spec.kv_width * spec.num_layers,
-        prefix_gather=0 if in_place_kernel else e * 2 * max(p for _, p in members) * spec.kv_width,
+        prefix_gather=0 if kernels.attention_path == "triton" else e * 2 * max(p for _, p in members) * spec.kv_width,
         ids=s * 8,
         small=spec.rope_tables * s * spec.head_dim * 4 + plan.chunk * spec.head_dim * 2 + last_rows,
         pages=_PAGE * (len(plan.shapes) + 2 * pieces + 8 + (2 * b if b > 1 else 0)),  # workspace, RoPE tables, the few others
@@ -128,12 +109,13 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
 
 
 
-def _attention_bytes(spec: ModelSpec, members: list[tuple[int, int]], dtype: torch.dtype, inplace: bool,
-                     triton_kernel: bool, cpu_kernel: bool) -> int:
-    """Attention's part of the prediction (batch_peak_components' `attention`)."""
-    if triton_kernel:  # the Triton kernel writes over Q and allocates nothing
+def _attention_bytes(spec: ModelSpec, members: list[tuple[int, int]], kernels: KernelBackend, inplace: bool) -> int:
+    """Attention's part of the prediction (batch_peak_components' `attention`), by the path the
+    executor takes (the same KernelBackend decides both)."""
+    dtype = kernels.dtype
+    if kernels.attention_path == "triton":  # the Triton kernel writes over Q and allocates nothing
         return 0
-    if cpu_kernel:
+    if kernels.attention_path == "cpu_flash":
         longest_keys = max(n + p for n, p in members)  # one call at a time: the longest sequence's
         return cpu_flash_scratch_bytes(spec.head_dim, spec.num_heads // spec.num_kv_heads, spec.num_kv_heads,
                                        longest_keys, dtype)
@@ -143,12 +125,12 @@ def _attention_bytes(spec: ModelSpec, members: list[tuple[int, int]], dtype: tor
                for window in {spec.layer_window(i) for i in range(spec.num_layers)})
 
 
-def _linear_call_bytes(spec: ModelSpec, chunk: int, last_rows: int, dtype: torch.dtype, device: torch.device,
-                       backend: str) -> int:
+def _linear_call_bytes(spec: ModelSpec, chunk: int, last_rows: int, kernels: KernelBackend) -> int:
     """The largest of the projections' calls over one chunk (and the LM head's over the last
     rows, after the layers): its output if the backend allocates it, plus the library's buffers."""
+    dtype, device = kernels.dtype, kernels.device
     e = torch.tensor([], dtype=dtype).element_size()
-    own = e * chunk if allocates_output(backend) else 0
+    own = e * chunk if allocates_output(kernels.linear) else 0
     calls = [call_scratch_bytes(chunk, n, dtype, device) + own * n
              for n in (spec.qkv_width, spec.hidden_size, 2 * spec.intermediate_size)]
     return max(calls + [call_scratch_bytes(last_rows, spec.vocab_size, dtype, device)])
@@ -168,20 +150,18 @@ def _torch_attention_bytes(spec: ModelSpec, members: list[tuple[int, int]], e: i
 
 class ActivationBudget:
     """The engine's activation budget as the scheduler checks steps against it (its StepMemory,
-    scheduler/plan.py): the prediction above for this executor's model, dtype, device, chunk and
-    backends, and the budget in bytes."""
+    scheduler/plan.py): the prediction above for the engine's model, kernels (the executor's own)
+    and chunk, and the budget in bytes."""
 
-    def __init__(self, executor, chunk_size: int | None, budget_bytes: int):
-        self.spec, self.dtype, self.device = executor.spec, executor.dtype, executor.device
-        self.attention_backend, self.linear_backend = executor.attention_backend, executor.linear_backend
+    def __init__(self, spec: ModelSpec, kernels: KernelBackend, chunk_size: int | None, budget_bytes: int):
+        self.spec, self.kernels = spec, kernels
         self.chunk_size = chunk_size
         self.budget_bytes = budget_bytes
-        self.inplace_supported = inplace_attention_supported(self.device)
+        self.inplace_supported = inplace_attention_supported(kernels.device)
 
     def peak_bytes(self, shape: list[tuple[int, int]], captured: int = 0, inplace: bool = False) -> int:
         """Predicted peak of one forward over `shape` = [(new tokens, prefix tokens)]."""
-        return predict_batch_peak_bytes(self.spec, list(shape), self.chunk_size, self.dtype, captured, inplace,
-                                        self.attention_backend, self.device, self.linear_backend)
+        return sum(batch_peak_components(self.spec, list(shape), self.chunk_size, self.kernels, captured, inplace).values())
 
 
 class PeakMemoryMeter:

@@ -22,6 +22,7 @@ import torch
 
 from .config import DTYPES
 from .kernels.attention import BACKENDS, resolve_backend
+from .kernels.backend import KernelBackend
 from .kernels.linear import LINEAR_BACKENDS, resolve_linear_backend
 from .memory import PeakMemoryMeter, batch_peak_components
 from .model_spec import ModelSpec
@@ -65,6 +66,7 @@ def measure(args) -> dict:
     small_forward = meter.peak_growth()
     gc.collect()
     heap_trimmed = release_free_heap()
+    heap_free = heap_free_bytes()
     meter.start()
     t0 = time.perf_counter()
     run(ids)
@@ -72,13 +74,12 @@ def measure(args) -> dict:
     measured = meter.peak_growth()
     chunk = args.chunk_size or None
     members = [(len(part), 0) for part in split_members(ids, args.members)]
-    parts = (batch_peak_components(spec, members, chunk, dtype, inplace_attention=args.inplace_attention,
-                                   attention_backend=args.backend, linear_backend=args.linear)
+    parts = (batch_peak_components(spec, members, chunk, args.kernels, inplace_attention=args.inplace_attention)
              if args.system == "prefillonly" else None)
     predicted = sum(parts.values()) if parts else None
     return dict(system=args.system, tokens=args.tokens, members=args.members, chunk_size=chunk, dtype=args.dtype,
                 inplace_attention=args.inplace_attention, attention_backend=args.backend, linear_backend=args.linear, measured_bytes=measured,
-                predicted_bytes=predicted, predicted_parts=parts, heap_trimmed=heap_trimmed, mmap_pinned=mmap_pinned, small_forward_bytes=small_forward, bytes_per_token=measured / args.tokens, seconds=seconds)
+                predicted_bytes=predicted, predicted_parts=parts, heap_trimmed=heap_trimmed, heap_free_bytes=heap_free, mmap_pinned=mmap_pinned, small_forward_bytes=small_forward, bytes_per_token=measured / args.tokens, seconds=seconds)
 
 
 def pin_mmap_threshold(nbytes: int = 128 << 10) -> bool:
@@ -120,6 +121,25 @@ def release_free_heap() -> bool:
         return False
 
 
+def heap_free_bytes() -> int | None:
+    """Bytes free inside the C heap's chunks now (glibc mallinfo2: fordblks), None where the
+    allocator is not glibc's. After the trim these may still be resident (a page shared with a live
+    block): a forward that reuses them allocates without the RSS growing, so the measured growth
+    can fall short of the request's buffers by up to this much."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in
+                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = MallInfo2
+    return int(fn().fordblks)
+
+
 def split_members(ids: torch.Tensor, members: int) -> list[torch.Tensor]:
     """`ids` as `members` sequences of nearly equal length (at most one fewer than members if
     there are fewer tokens)."""
@@ -135,7 +155,8 @@ def _prefillonly_runner(args, spec, dtype, device):
     else:
         weights = ModelWeights.load(args.model, spec, dtype, device)
     args.linear = resolve_linear_backend(args.linear_backend, device, dtype, weights.layers[0].projections())
-    executor = HybridPrefillExecutor(spec, weights, dtype, device, args.backend, args.linear)
+    args.kernels = KernelBackend(device, dtype, spec.head_dim, args.backend, args.linear)  # what the prediction counts by too
+    executor = HybridPrefillExecutor(spec, weights, args.kernels)
     if args.members > 1:
         return lambda ids: executor.forward_batch(ForwardBatch([Sequence(x) for x in split_members(ids, args.members)]),
                                                   args.chunk_size or None, args.inplace_attention)

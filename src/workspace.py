@@ -40,7 +40,7 @@ class WorkspacePlan:
 
 def plan_workspace(spec: ModelSpec, new_tokens: int, chunk_size: int | None, dtype: torch.dtype, prefix_tokens: int = 0,
                    fp32_scratch: bool = True, linear_outputs: bool = True) -> WorkspacePlan:
-    """fp32_scratch=False: the compiled RMSNorm runs, scratch32 gets no rows (ops.rms_norm_needs_scratch).
+    """fp32_scratch=False: the compiled RMSNorm runs, scratch32 gets no rows (KernelBackend.norm_scratch).
     linear_outputs=False: the linear backend allocates the projections' outputs, qkv, proj and
     gate_up get no rows."""
     s, total = new_tokens, prefix_tokens + new_tokens

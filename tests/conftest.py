@@ -16,7 +16,7 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 LAYERS = {
     "engine": ["test_against_transformers", "test_engine_api", "test_engine_metrics", "test_dtype_auto", "test_model_spec",
                "test_request", "test_limits", "test_config", "test_cli", "test_memory", "test_batching"],
-    "kernels": ["test_attention", "test_cpu_attention", "test_cpu_kernels", "test_gpu_kernels", "gpu_kernel_cases", "test_linear",
+    "kernels": ["test_attention", "test_cpu_attention", "test_cpu_kernels", "test_kernel_backend", "test_gpu_kernels", "gpu_kernel_cases", "test_linear",
                 "test_host_table"],  # gpu_kernel_cases: the GPU cases test_gpu_kernels runs in a subprocess
     "cache_scheduler": ["test_prefix_cache", "test_scheduler", "test_dependency_groups", "test_simulator"],
     "serving": ["test_protocol", "test_inflight", "test_triton_server", "test_triton_lifecycle", "test_launcher", "test_faults",
@@ -29,7 +29,7 @@ LAYERS = {
 FAST = {"test_request", "test_scheduler", "test_dependency_groups", "test_simulator", "test_config", "test_limits",
         "test_protocol", "test_inflight", "test_import_graph", "test_docs_match_tree", "test_envoy_hashing", "test_workloads",
         "test_host_table", "test_model_spec", "test_perf_cli", "test_frontend_presets", "test_batching", "test_prefix_cache",
-        "test_linear", "test_dtype_auto", "test_wire"}
+        "test_linear", "test_dtype_auto", "test_wire", "test_kernel_backend"}
 _LAYER_OF = {name: layer for layer, names in LAYERS.items() for name in names}
 
 

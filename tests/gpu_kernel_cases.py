@@ -16,8 +16,9 @@ import torch
 
 from prefillonly.cache.prefix_cache import PrefixCache
 from prefillonly.executor import ForwardBatch, HybridPrefillExecutor, Sequence
+from prefillonly.kernels.backend import KernelBackend
 from prefillonly.kernels import gpu_support
-from prefillonly.kernels.attention import banded_attention, causal_attention, resolve_backend, triton_covers
+from prefillonly.kernels.attention import banded_attention, causal_attention, resolve_backend
 from prefillonly.kernels.gpu_attention import BatchLayout, prefill_attention
 from prefillonly.kernels import gpu_ops
 from prefillonly.model_spec import ModelSpec
@@ -259,7 +260,7 @@ def folders(tmp_path_factory):
 
 def _executor(folder, dtype, backend="triton"):
     spec = ModelSpec.from_folder(folder)
-    return HybridPrefillExecutor(spec, ModelWeights.load(folder, spec, dtype, DEVICE), dtype, DEVICE, backend)
+    return HybridPrefillExecutor(spec, ModelWeights.load(folder, spec, dtype, DEVICE), KernelBackend(DEVICE, dtype, spec.head_dim, backend))
 
 
 def _ids(gen, vocab, n):
@@ -270,9 +271,11 @@ def test_backend_resolution():
     assert resolve_backend("triton", DEVICE) == "triton"
     if DEVICE.type == "cuda":
         assert resolve_backend("auto", DEVICE) == "triton"
-    assert triton_covers("triton", DEVICE, torch.float16, 64)
-    assert not triton_covers("triton", DEVICE, torch.float32, 64)  # float32 runs on the torch ops
-    assert not triton_covers("triton", DEVICE, torch.float16, 24)  # not a power of two: SDPA
+    path = lambda dtype, head_dim: KernelBackend(DEVICE, dtype, head_dim, "triton").attention_path  # noqa: E731
+    assert path(torch.float16, 64) == "triton"
+    assert path(torch.float32, 64) == "torch"  # float32 runs on the torch ops
+    assert path(torch.float16, 24) == "torch"  # not a power of two: SDPA
+    assert KernelBackend(DEVICE, torch.float16, 64, "triton").ops.name == "triton"  # the fused per-token kernels too
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from prefillonly.executor import HybridPrefillExecutor
+
+from prefillonly.kernels.backend import KernelBackend
 from prefillonly.kernels.linear import why_onednn_unavailable
 from prefillonly.model_spec import ModelSpec
 from prefillonly.weights import ModelWeights
@@ -29,7 +31,7 @@ CPU = torch.device("cpu")
 
 def _executor(folder, dtype, linear_backend="aten"):
     spec = ModelSpec.from_folder(folder)
-    return HybridPrefillExecutor(spec, ModelWeights.load(folder, spec, dtype, CPU), dtype, CPU, "sdpa", linear_backend)
+    return HybridPrefillExecutor(spec, ModelWeights.load(folder, spec, dtype, CPU), KernelBackend(CPU, dtype, spec.head_dim, "sdpa", linear_backend))
 
 
 def _linear_backend(name, dtype):
@@ -98,10 +100,10 @@ def test_gemma_windows_rope_tables_and_caps_each_matter(family_folders, referenc
         spec = ModelSpec.from_folder(folder)
         want = hf_logprobs(references[family][0], ids)
         weights = ModelWeights.load(folder, spec, torch.float32, CPU)
-        exact = HybridPrefillExecutor(spec, weights, torch.float32, CPU, backend)
+        exact = HybridPrefillExecutor(spec, weights, KernelBackend(CPU, torch.float32, spec.head_dim, backend))
         assert max_abs(_ours(exact, ids, 64), want) <= 1e-4, family
         wrong = HybridPrefillExecutor(spec if ignore == "local rope" else dataclasses.replace(spec, **ignore),
-                                      weights, torch.float32, CPU, backend)
+                                      weights, KernelBackend(CPU, torch.float32, spec.head_dim, backend))
         if ignore == "local rope":  # every layer on the global table
             assert spec.rope_tables == 2
             wrong.rotaries["sliding_attention"] = wrong.rotaries["full_attention"]

@@ -15,6 +15,7 @@ import torch
 from prefillonly import DeadlineExceededError, Engine, EngineConfig, OverBudgetError
 from prefillonly.prefix_io import PrefixKV
 from prefillonly.executor import ForwardBatch, HybridPrefillExecutor, Sequence
+from prefillonly.kernels.backend import KernelBackend
 from prefillonly.model_spec import ModelSpec
 from prefillonly.cache.index import PrefixIndex
 from prefillonly.scheduler.forward_plan import plan_items
@@ -30,7 +31,7 @@ FP32_TOL = 1e-4
 
 def _executor(folder, backend="sdpa"):
     spec = ModelSpec.from_folder(folder)
-    return HybridPrefillExecutor(spec, ModelWeights.load(folder, spec, torch.float32, CPU), torch.float32, CPU, backend)
+    return HybridPrefillExecutor(spec, ModelWeights.load(folder, spec, torch.float32, CPU), KernelBackend(CPU, torch.float32, spec.head_dim, backend))
 
 
 def _ids(gen, vocab, n):
@@ -105,7 +106,7 @@ def default_model_float64(default_model_path):
     prompts = _prompts(torch.Generator().manual_seed(11), ModelSpec.from_folder(default_model_path).vocab_size,
                        DEFAULT_MODEL_LENGTHS, DEFAULT_MODEL_PREFIXES)
     spec = ModelSpec.from_folder(default_model_path)
-    ex64 = HybridPrefillExecutor(spec, ModelWeights.load(default_model_path, spec, torch.float64, CPU), torch.float64, CPU, "sdpa")
+    ex64 = HybridPrefillExecutor(spec, ModelWeights.load(default_model_path, spec, torch.float64, CPU), KernelBackend(CPU, torch.float64, spec.head_dim))
     return prompts, [ex64.forward(s.token_ids, 512, prefix=s.prefix).logits.log_softmax(-1) for s in _sequences(ex64, prompts)]
 
 

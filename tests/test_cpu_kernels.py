@@ -32,8 +32,8 @@ def _require(kernels, isa: str) -> None:
 
 @pytest.fixture(params=sorted(ISA_FLAGS))
 def isa(request, kernels):
-    """Runs the test with every op's default ("auto") forced to one path, so the ops.* wrappers
-    (which call the module without an isa) go through it."""
+    """Runs the test with every op's default ("auto") forced to one path, so the compiled op family
+    (which calls the module without an isa) goes through it."""
     _require(kernels, request.param)
     kernels.set_default_isa(request.param)
     assert kernels.active_isa() == request.param
@@ -47,10 +47,10 @@ def both_paths(kernels):
         _require(kernels, name)
 
 
-@pytest.fixture
-def torch_ops(monkeypatch):
-    """Forces the torch fallbacks of kernels/ops.py (as PREFILLONLY_CPU_KERNELS=0 does)."""
-    monkeypatch.setattr(cpu_ext, "_state", {"module": None, "error": "forced off by the test"})
+def _compiled(kernels) -> ops.CompiledCpuOps:
+    chosen = ops.ops_for("cpu", torch.float32)
+    assert isinstance(chosen, ops.CompiledCpuOps) and chosen.kernels is kernels  # the engine's choice on this host
+    return chosen
 
 
 # bf16 tolerances: the kernels round once, so they must be as close to float64 as one bf16 rounding
@@ -70,9 +70,9 @@ def test_rms_norm_matches_float64(kernels, isa, dtype, rows, n):
     w = 1 + 0.3 * torch.randn(n, generator=g)
     want = x.double() / (x.double().pow(2).mean(-1, keepdim=True) + 1e-5).sqrt() * w.double()
     out = torch.empty(rows, n, dtype=dtype)
-    ops.rms_norm_into(out, x, w, 1e-5, torch.empty(rows, n))
+    _compiled(kernels).rms_norm_into(out, x, w, 1e-5, torch.empty(rows, n))
     assert _rel_err(out, want) < TOL[dtype]
-    ops.rms_norm_into(x, x, w, 1e-5, torch.empty(rows, n))  # in place
+    _compiled(kernels).rms_norm_into(x, x, w, 1e-5, torch.empty(rows, n))  # in place
     assert torch.equal(x, out)
 
 
@@ -87,7 +87,7 @@ def test_rope_matches_float64(kernels, isa, dtype, tokens, heads, d):
     x1, x2 = src.double()[..., : d // 2], src.double()[..., d // 2 :]
     want = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
     dst = torch.empty(heads, tokens + 3, d, dtype=dtype)[:, 2 : 2 + tokens]  # a window of the full-length Q
-    ops.rope_into(dst, src, cos.float(), sin.float())
+    _compiled(kernels).rope_into(dst, src, cos.float(), sin.float())
     assert _rel_err(dst, want) < TOL[dtype]
 
 
@@ -99,31 +99,30 @@ def test_swiglu_matches_float64(kernels, isa, dtype, rows, f):
     gate, up = gate_up.double()[:, :f], gate_up.double()[:, f:]
     want = gate * torch.sigmoid(gate) * up
     out = torch.empty(rows, f, dtype=dtype)
-    ops.swiglu_into(out, gate_up)
+    _compiled(kernels).swiglu_into(out, gate_up)
     assert _rel_err(out, want) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_ops_equal_the_torch_fallbacks(kernels, isa, monkeypatch, dtype):
-    """The same inputs through both implementations (the fallback runs where no compiler is)."""
+def test_compiled_ops_equal_the_torch_fallbacks(kernels, isa, dtype):
+    """The same inputs through both op families (the torch one runs where no compiler is)."""
     g = torch.Generator().manual_seed(7)
     x, w = torch.randn(33, 96, generator=g).to(dtype), 1 + 0.2 * torch.randn(96, generator=g)
     src = torch.randn(33, 4, 32, generator=g).to(dtype).transpose(0, 1)
     angles = torch.rand(33, 16, generator=g) * 6
     gate_up = torch.randn(33, 2 * 50, generator=g).to(dtype)
 
-    def run():
+    def run(family):
         norm, rot, act = torch.empty(33, 96, dtype=dtype), torch.empty(4, 33, 32, dtype=dtype), torch.empty(33, 50, dtype=dtype)
-        ops.rms_norm_into(norm, x, w, 1e-6, torch.empty(33, 96))
-        cos, sin = angles.cos().to(ops.rope_table_dtype(torch.device("cpu"), dtype)), angles.sin().to(ops.rope_table_dtype(torch.device("cpu"), dtype))
-        ops.rope_into(rot, src, cos, sin)
-        ops.swiglu_into(act, gate_up.clone())
+        family.rms_norm_into(norm, x, w, 1e-6, torch.empty(33, 96))
+        table = family.rope_table_dtype(dtype)
+        family.rope_into(rot, src, angles.cos().to(table), angles.sin().to(table))
+        family.swiglu_into(act, gate_up.clone())
         return norm, rot, act
 
-    compiled = run()
-    monkeypatch.setattr(cpu_ext, "_state", {"module": None, "error": "forced off"})
-    assert ops.rope_table_dtype(torch.device("cpu"), dtype) == dtype
-    fallback = run()
+    compiled = run(_compiled(kernels))
+    assert ops.TorchOps().rope_table_dtype(dtype) == dtype
+    fallback = run(ops.TorchOps())
     tol = 1e-5 if dtype == torch.float32 else 0.05  # the torch path rounds to bf16 between its passes
     for a, b in zip(compiled, fallback):
         assert (a.double() - b.double()).abs().max() < tol * max(1.0, b.double().abs().max().item())
@@ -174,7 +173,7 @@ def test_a_cpu_without_avx2_gets_the_torch_ops(monkeypatch):
     monkeypatch.setattr(cpu_ext, "_state", {})
     assert cpu_ext.load() is None
     assert cpu_ext.why_unavailable() == "the CPU has neither AVX2+FMA nor AVX-512"
-    assert ops.compiled_ops(torch.empty(1)) is None  # the ops take their torch paths
+    assert type(ops.ops_for("cpu", torch.float32)) is ops.TorchOps  # the engine then takes the torch ops
 
 
 def test_the_environment_forces_the_default_path(kernels, monkeypatch):
@@ -215,7 +214,7 @@ def test_an_unknown_path_raises(kernels):
     kernels.set_default_isa("sse9")
     try:
         with pytest.raises(RuntimeError, match="unknown ISA 'sse9'"):
-            ops.rms_norm_into(torch.empty_like(x), x, torch.ones(16), 1e-5, torch.empty_like(x))
+            _compiled(kernels).rms_norm_into(torch.empty_like(x), x, torch.ones(16), 1e-5, torch.empty_like(x))
     finally:
         kernels.set_default_isa(cpu_ext._isa())
 

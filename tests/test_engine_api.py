@@ -54,6 +54,13 @@ def test_chat_template_changes_the_prompt(default_engine):
     assert chat.prompt_tokens > plain.prompt_tokens
 
 
+def test_the_engine_predicts_with_its_executors_kernels(default_engine):
+    kernels = default_engine.executor.kernels
+    assert default_engine.memory.kernels is kernels
+    stats = default_engine.stats()
+    assert (stats.attention_backend, stats.linear_backend) == (kernels.attention, kernels.linear)
+
+
 def test_peak_bytes_measured(default_engine):
     r = default_engine.score(list(range(1000, 1600)), [" Yes"])
     assert r.peak_bytes is not None and r.peak_bytes > 0

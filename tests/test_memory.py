@@ -43,6 +43,17 @@ CONFIG = dict(hidden_size=256, intermediate_size=2048, num_hidden_layers=2, num_
               vocab_size=1000, max_position_embeddings=32768)
 
 
+def allowance(r: dict) -> int:
+    """How far a probe's prediction may exceed its measured peak: the prediction's allowances (a
+    page per allocation, attention's scratch, which is freed before the largest projection runs,
+    the unseen non-tensor bytes, the ids built before the forward) and what the measurement cannot
+    see: the C heap's free bytes at the start, which a forward may reuse without the RSS growing
+    (measured on Gemma 3's mixed layers: 0.4-0.6 MiB, and in some runs the growth fell that much
+    below the same forward's other runs)."""
+    parts = r["predicted_parts"]
+    return parts["pages"] + parts["attention"] + parts["unseen"] + parts["ids"] + (r["heap_free_bytes"] or 0)
+
+
 def probe(tokens: int, chunk_size: int, dtype: str = "bfloat16", backend: str = "cpu_flash", config=CONFIG, *flags,
           env: dict | None = None) -> dict:
     cmd = [sys.executable, "-m", "prefillonly.memory_probe", "--tokens", str(tokens), "--chunk-size", str(chunk_size),
@@ -107,11 +118,11 @@ def test_chunked_prediction_over_by_at_most_its_allowances(runs, tokens, dtype, 
     assert r["attention_backend"] == "cpu_flash" and r["heap_trimmed"] and r["mmap_pinned"], r
     over = r["predicted_bytes"] - r["measured_bytes"]
     parts = r["predicted_parts"]
-    allowance = parts["pages"] + parts["attention"] + parts["unseen"] + parts["ids"]
+    allowed = allowance(r)
     detail = f"{tokens} tokens {dtype} {linear} chunk {chunk}: predicted {mib(r['predicted_bytes'])}, measured {mib(r['measured_bytes'])}"
     assert r["small_forward_bytes"] <= parts["unseen"], f"a 16-token forward took {mib(r['small_forward_bytes'])} outside its buffers"
     assert over >= 0, detail
-    assert over <= allowance, f"{detail}: over by more than the page, scratch and unseen allowances ({mib(allowance)})"
+    assert over <= allowed, f"{detail}: over by more than the page, scratch and unseen allowances and the heap's free bytes ({mib(allowed)})"
 
 
 @pytest.mark.parametrize("linear", LINEARS["bfloat16"])
@@ -130,7 +141,7 @@ def test_bf16_prediction_holds_where_onednn_emulates_bf16(linear):
                   f"(linear {mib(parts['linear'])}), measured {mib(r['measured_bytes'])}")
         assert r["predicted_bytes"] >= r["measured_bytes"], detail
         if chunk:
-            assert r["predicted_bytes"] - r["measured_bytes"] <= parts["pages"] + parts["attention"] + parts["unseen"] + parts["ids"], detail
+            assert r["predicted_bytes"] - r["measured_bytes"] <= allowance(r), detail
 
 
 def test_batched_step_prediction_never_below_and_over_by_at_most_its_allowances():
@@ -139,10 +150,9 @@ def test_batched_step_prediction_never_below_and_over_by_at_most_its_allowances(
     forward's."""
     r = probe(8191, 512, "float32", "cpu_flash", CONFIG, "--members", "12")
     assert r["members"] == 12 and r["heap_trimmed"] and r["mmap_pinned"], r
-    parts = r["predicted_parts"]
     detail = f"step of 12, 8191 tokens: predicted {mib(r['predicted_bytes'])}, measured {mib(r['measured_bytes'])}"
     assert r["predicted_bytes"] >= r["measured_bytes"], detail
-    assert r["predicted_bytes"] - r["measured_bytes"] <= parts["pages"] + parts["attention"] + parts["unseen"] + parts["ids"], detail
+    assert r["predicted_bytes"] - r["measured_bytes"] <= allowance(r), detail
 
 
 def test_sdpa_prediction_never_below():
@@ -180,8 +190,7 @@ def test_attention_over_q_lowers_the_peak_and_is_predicted():
     for r in (sdpa_inplace, kernel):
         assert r["measured_bytes"] < sdpa["measured_bytes"] - q_bytes // 2
         assert r["predicted_bytes"] >= r["measured_bytes"]
-    parts = kernel["predicted_parts"]
-    assert kernel["predicted_bytes"] - kernel["measured_bytes"] <= parts["pages"] + parts["attention"] + parts["unseen"] + parts["ids"]
+    assert kernel["predicted_bytes"] - kernel["measured_bytes"] <= allowance(kernel)
 
 
 # Gemma 3's mixed layers: a 512-key window on one layer, full attention on the other, two RoPE tables
@@ -196,9 +205,8 @@ def test_mixed_layer_prediction_holds_on_the_kernel_and_the_banded_path():
     below the measured peak and over by at most its allowances, as for one layer kind; on the torch
     path (the banded fallback for the windowed layer, SDPA for the full one) never below."""
     kernel = probe(8192, 512, "float32", "cpu_flash", GEMMA3)
-    parts = kernel["predicted_parts"]
     detail = f"gemma3 cpu_flash: predicted {mib(kernel['predicted_bytes'])}, measured {mib(kernel['measured_bytes'])}"
-    assert 0 <= kernel["predicted_bytes"] - kernel["measured_bytes"] <= parts["pages"] + parts["attention"] + parts["unseen"] + parts["ids"], detail
+    assert 0 <= kernel["predicted_bytes"] - kernel["measured_bytes"] <= allowance(kernel), detail
     torch_path = probe(8192, 512, "float32", "sdpa", GEMMA3)
     assert torch_path["predicted_bytes"] >= torch_path["measured_bytes"], (
         f"gemma3 sdpa: predicted {mib(torch_path['predicted_bytes'])}, measured {mib(torch_path['measured_bytes'])}")

@@ -1,7 +1,8 @@
-"""Compute kernels of the hot path: attention over the whole sequence and per-token fused ops."""
+"""Compute kernels of the hot path: attention over the whole sequence, the GEMMs and the per-token
+fused ops; kernels.backend.KernelBackend is the one choice among them an engine makes."""
 
 from .attention import causal_attention, causal_attention_inplace, inplace_attention_supported, resolve_backend
 from .linear import linear
-from .ops import gated_activation_into, rms_norm_into, rope_into, swiglu_into
+from .ops import ops_for
 
-__all__ = ["causal_attention", "causal_attention_inplace", "inplace_attention_supported", "resolve_backend", "linear", "gated_activation_into", "rms_norm_into", "rope_into", "swiglu_into"]
+__all__ = ["causal_attention", "causal_attention_inplace", "inplace_attention_supported", "resolve_backend", "linear", "ops_for"]

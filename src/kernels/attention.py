@@ -1,9 +1,9 @@
 """Causal attention over a whole sequence (hybrid prefill never chunks attention).
 
-The executor attends through one of three paths, chosen per step: `causal_attention` (a new
-output tensor), `causal_attention_inplace` (written over Q: the memory-saving path, and always
-cpu_flash's), or, where `triton_covers` says so, the Triton kernel's batch launch
-(gpu_attention.BatchAttention: every sequence of the step at once). Queries may be a suffix of
+The executor attends through the path its KernelBackend (kernels/backend.py) fixed at start:
+the compiled kernel (output over Q), the Triton kernel's batch launch (gpu_attention.BatchAttention:
+every sequence of the step at once), or the torch paths, `causal_attention` (a new output tensor)
+or `causal_attention_inplace` (written over Q: the memory-saving path, chosen per step). Queries may be a suffix of
 the keys (cached prefix K/V followed by fresh K/V): query i sits at key position i + (Lk - Lq)
 and sees keys 0..i + (Lk - Lq) (bottom-right-aligned causal mask).
 No S x S mask is ever built (docs/design.md §13).
