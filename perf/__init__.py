@@ -5,7 +5,7 @@ benchmark a subpackage, reliability/); run it from the repository root with the 
 
     .venv/bin/python -m perf.<name> [args]        # e.g. python -m perf.eval all --quick
 
-Each script builds its command line in `build_parser()`, so that tests/test_perf_cli.py can check
+Each script builds its command line in `build_parser()`, so that tests/house/test_perf_cli.py can check
 every command the results record against it. Scripts import each other as
 `from perf import benchutil as bu`; requests to the server go through clients/transport.py. One
 half of perf/vllm_runner.py runs inside vLLM's own venv (perf/.venv-vllm), where prefillonly is not

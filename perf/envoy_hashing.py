@@ -3,7 +3,7 @@
 The fleet's front door (prefillonly.serving.host.envoy_config) routes a request carrying
 `x-prefillonly-user` by hashing the header with RING_HASH or MAGLEV and bounded load. This module
 rebuilds Envoy's own tables from the same inputs, so the simulator's fleet mode routes as the real
-proxy does and a test can predict, user by user, where Envoy sends each one (tests/test_fleet.py
+proxy does and a test can predict, user by user, where Envoy sends each one (tests/fleet/test_fleet.py
 checks the prediction against the real Envoy). What it follows, from Envoy's source
 (load_balancing_policies/{ring_hash,maglev,common/thread_aware_lb_impl}):
 

@@ -44,7 +44,7 @@ Workloads (perf/workloads.py, same seeds and lengths as the id traces): post rec
 credit verification. Token ids are not generated: a request's block keys are synthetic but have
 the same sharing structure as the chained hashes of its ids (a block lying entirely inside a
 user's profile is keyed (user, i); any later block is keyed (request, i)), which is exactly what
-the index sees (tests/test_simulator.py checks it against real block_hashes of a real trace).
+the index sees (tests/cache_scheduler/test_simulator.py checks it against real block_hashes of a real trace).
 Arrivals: perf/workloads.with_poisson_arrivals (Poisson users, a user's requests 0.1 s apart).
 
 Load levels are multiples of the saturated throughput: N x (requests / total one-at-a-time
@@ -818,7 +818,7 @@ def notes(gpu: CostModel, pick_s_per_waiting: dict[str, float] | None, scenarios
                          "posts, and each waits its ~0.5 s. Smith's rule itself would keep warm requests first (a group's "
                          "average, (cold + n warm) / (n + 1), never falls below one warm request's cost); what moves the group "
                          "earlier is the oldest member's starvation credit, shared over the group. The rule lowers the mean where "
-                         "a group competes with costlier requests: other cold profiles (tests/test_simulator.py, a burst of "
+                         "a group competes with costlier requests: other cold profiles (tests/cache_scheduler/test_simulator.py, a burst of "
                          "new users).")
             out.append(text.strip())
     per = (pick_s_per_waiting or {}).get("csjf")

@@ -18,7 +18,7 @@ from .workspace import plan_workspace
 _PAGE = 4096  # an allocation may touch one page more than its size (its header, the rounding)
 # A forward's allocations that are not tensors (Python objects, per-call library buffers, thread
 # arenas, heap fragmentation of the small ones): a 16-token forward grows the RSS by 0.4-0.7 MiB
-# (memory_probe's small_forward_bytes, which tests/test_memory.py checks against this), a
+# (memory_probe's small_forward_bytes, which tests/engine/test_memory.py checks against this), a
 # 16K-token fp32 forward by up to 1.5 MiB more than its tensors (RSS peak minus the plan, which
 # matches torch's own allocation trace within 0.3 MiB; seen on an AVX2 host, 2026-12), and a
 # 16K-token bf16 forward on a CPU without native bf16 (AVX2; its matmuls convert through library
@@ -33,7 +33,7 @@ UNSEEN_BYTES = 3 << 20
 # torch SDPA's output and internal buffers, per query element ([S, q_width]), and its
 # per-thread fixed blocks. Measured on CPU (memory_probe: growth minus the workspace) at
 # 8K-16K tokens: ~6 B per query element in both bf16 and fp32 for small GQA configs, ~9 on
-# SmolLM2 (9 heads / 3 KV heads). tests/test_memory.py keeps the whole prediction within 15%.
+# SmolLM2 (9 heads / 3 KV heads). tests/engine/test_memory.py keeps the whole prediction within 15%.
 _ATTENTION_BYTES_PER_QUERY_ELEMENT = 6
 _ATTENTION_FIXED_BYTES = 2 << 20
 # causal_attention_inplace: per element of one query block: two flash outputs and their

@@ -6,7 +6,7 @@ the front door (serving/host/envoy_config.py), the scoring frontend (frontend/) 
 (clients/transport.py, which loads this file by path where prefillonly is not installed).
 
 - the models' names, and their inputs and outputs (name, Triton datatype, dims) as data: each
-  config.pbtxt declares exactly these (tests/test_wire.py checks);
+  config.pbtxt declares exactly these (tests/serving/test_wire.py checks);
 - a request as a dict of fields named as the inputs (`request_fields`), and as tritonclient
   tensors (`infer_inputs`);
 - the error codes every error message starts with ("overloaded: ..."), which of them mean "not

@@ -1,6 +1,6 @@
 """Shared fixtures: small random checkpoints of every supported family, the default model; and
-the suite's tiers: every test file belongs to one layer (a marker of that name) and the quick
-files are also `fast`, so `bash scripts/test.sh -m fast` runs the one-to-two-minute tier alone
+the suite's tiers: every test file lives in its layer's folder (and gets a marker of that name)
+and the quick files are also `fast`, so `bash scripts/test.sh -m fast` runs the one-to-two-minute tier alone
 and `-m serving` (or engine, kernels, cache_scheduler, frontend, fleet, house) one layer."""
 
 from __future__ import annotations
@@ -12,40 +12,28 @@ import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
-# test file -> its layer; a file missing here fails the collection (so each new file is placed)
-LAYERS = {
-    "engine": ["test_against_transformers", "test_engine_api", "test_engine_metrics", "test_dtype_auto", "test_model_spec",
-               "test_request", "test_limits", "test_config", "test_cli", "test_memory", "test_batching"],
-    "kernels": ["test_attention", "test_cpu_attention", "test_cpu_kernels", "test_kernel_backend", "test_gpu_kernels", "gpu_kernel_cases", "test_linear",
-                "test_host_table"],  # gpu_kernel_cases: the GPU cases test_gpu_kernels runs in a subprocess
-    "cache_scheduler": ["test_prefix_cache", "test_scheduler", "test_dependency_groups", "test_simulator"],
-    "serving": ["test_protocol", "test_inflight", "test_triton_server", "test_triton_lifecycle", "test_launcher", "test_faults",
-                "test_harness", "test_perf_inputs", "test_wire"],
-    "frontend": ["test_frontend", "test_frontend_presets"],
-    "fleet": ["test_fleet", "test_envoy", "test_envoy_hashing", "test_deploy"],
-    "house": ["test_docs_match_tree", "test_import_graph", "test_perf_cli", "test_workloads"],
-}
+# the layers: each test file lives in the folder of its layer (a file elsewhere fails the collection)
+LAYERS = ("engine", "kernels", "cache_scheduler", "serving", "frontend", "fleet", "house")
 # no server, no long forward: ~1.5 min together on 2 cores (measured 2026-12-04 on a 2-core Xeon)
 FAST = {"test_request", "test_scheduler", "test_dependency_groups", "test_simulator", "test_config", "test_limits",
         "test_protocol", "test_inflight", "test_import_graph", "test_docs_match_tree", "test_envoy_hashing", "test_workloads",
         "test_host_table", "test_model_spec", "test_perf_cli", "test_frontend_presets", "test_batching", "test_prefix_cache",
         "test_linear", "test_dtype_auto", "test_wire", "test_kernel_backend"}
-_LAYER_OF = {name: layer for layer, names in LAYERS.items() for name in names}
 
 
 def pytest_configure(config):
     for layer in LAYERS:
-        config.addinivalue_line("markers", f"{layer}: tests of the {layer} layer (tests/conftest.py LAYERS)")
+        config.addinivalue_line("markers", f"{layer}: tests of the {layer} layer (the files in tests/{layer}/)")
     config.addinivalue_line("markers", "fast: the quick tier (tests/conftest.py FAST): bash scripts/test.sh -m fast")
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        name = item.path.stem
-        if name not in _LAYER_OF:
-            raise pytest.UsageError(f"{item.path.name} is in no layer: add it to LAYERS in tests/conftest.py")
-        item.add_marker(_LAYER_OF[name])
-        if name in FAST:
+        layer = item.path.parent.name
+        if layer not in LAYERS:
+            raise pytest.UsageError(f"{item.path.name} is in no layer: move it into one of tests/{{{','.join(LAYERS)}}}/")
+        item.add_marker(layer)
+        if item.path.stem in FAST:
             item.add_marker("fast")
 
 # name -> (config class name, config kwargs). Small but with every feature switched on:

@@ -17,7 +17,7 @@ query) is the shared prompt of one multi-item request, computed once for all doc
 kept in the prefix cache; each document + the rest of the template is an item. One space that
 ends the shared part moves to the document, because byte-level BPE tokenizers attach a space
 to the word after it: the ids then equal those of the whole text tokenized at once (checked
-against the published Qwen3-Reranker construction in tests/test_frontend_presets.py).
+against the published Qwen3-Reranker construction in tests/frontend/test_frontend_presets.py).
 """
 
 from __future__ import annotations

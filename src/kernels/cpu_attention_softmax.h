@@ -13,7 +13,7 @@ constexpr int NV = V::NV;  // vectors of query rows of a register tile
 
 // 2^x for x <= 0 (and -inf): x = n + f, n = round(x), f in [-1/2, 1/2]; 2^f by a degree-5
 // polynomial (Chebyshev fit, max relative error 1.7e-7 before float rounding, < 3e-7 measured by
-// tests/test_cpu_attention.py); 2^n added into the exponent bits. Below -125 it returns 0
+// tests/kernels/test_cpu_attention.py); 2^n added into the exponent bits. Below -125 it returns 0
 // (true value < 2.4e-38), which is also how masked (-inf) scores become probability 0.
 inline vf exp2_nonpositive(vf x) {
   const vf lo = V::set1(-125.0f);

@@ -2,7 +2,7 @@
 response as an ordinary (non-decoupled) response. No engine here: one queue, one scheduler.
 Of prefillonly it imports only the wire contract (prefillonly.wire: standard library, no torch,
 no engine); the tensor names come from this model's config, which declares the same inputs and
-outputs as the target's (tests/test_wire.py checks both against prefillonly.wire).
+outputs as the target's (tests/serving/test_wire.py checks both against prefillonly.wire).
 
 Error status: the Python backend's BLS hands every error of the target back as INTERNAL (r24.10
 keeps only the message), so the status is recovered from the message's "<code>: " prefix, which

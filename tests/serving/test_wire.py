@@ -17,7 +17,7 @@ import pytest
 from prefillonly import wire
 from prefillonly.wire import ScoreResult, TokenScore
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _TENSOR = re.compile(r'\{\s*name:\s*"(\w+)"\s*data_type:\s*(\w+)\s*dims:\s*\[([^\]]*)\]')
 
 

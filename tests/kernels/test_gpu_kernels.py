@@ -1,4 +1,4 @@
-"""Runs tests/gpu_kernel_cases.py (the Triton-language kernels against float64 references and the
+"""Runs tests/kernels/gpu_kernel_cases.py (the Triton-language kernels against float64 references and the
 torch path) in a subprocess: under Triton's interpreter on CPU, which must be switched on before
 the kernels are defined, and natively as well when this host has CUDA."""
 
@@ -12,14 +12,14 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run_cases(env_overrides: dict) -> str:
     env = dict(os.environ, **env_overrides)
     env.pop("PREFILLONLY_TRITON_KERNELS", None)
     cmd = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           "tests/gpu_kernel_cases.py"]
+           "tests/kernels/gpu_kernel_cases.py"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]

@@ -15,7 +15,7 @@ from perf import perf_analyzer_inputs as pai
 from perf import workloads as wl
 from prefillonly.serving.model.protocol import INPUTS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 WORKLOADS = ("post_rec", "credit")
 

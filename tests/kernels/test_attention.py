@@ -8,7 +8,7 @@ import torch
 from prefillonly.kernels import attention as attn_mod
 from prefillonly.kernels.attention import causal_attention, resolve_backend
 
-from .reference import attention_float64 as reference
+from ..reference import attention_float64 as reference
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (3, 1)])

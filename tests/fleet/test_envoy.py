@@ -24,7 +24,7 @@ from prefillonly.serving.host.envoy_config import (FrontDoor, ProxyError, Upstre
 from prefillonly.serving.host.model_settings import copy_model_repository
 from prefillonly.serving.host.triton_server import running_server
 
-REPO = Path(__file__).resolve().parents[1] / "model_repository"
+REPO = Path(__file__).resolve().parents[2] / "model_repository"
 LIMIT = 100_000
 
 
@@ -33,7 +33,7 @@ def test_config_validates_for_one_and_three_upstreams_and_a_broken_one_is_refuse
     three = envoy_config(FrontDoor([Upstream("127.0.0.1", 8100, 8101), Upstream("localhost", 8200, 8201),
                                     Upstream("triton-3.internal", 8300, 8301)], host="0.0.0.0", max_request_bytes=LIMIT))
     assert [c["type"] for c in one["static_resources"]["clusters"]] == ["STATIC", "STATIC"]
-    # three replicas are a fleet: an affinity cluster and a least-request one per protocol (tests/test_deploy.py)
+    # three replicas are a fleet: an affinity cluster and a least-request one per protocol (tests/fleet/test_deploy.py)
     assert [(c["name"], c["type"]) for c in three["static_resources"]["clusters"]] == [
         ("triton_http_affinity", "STRICT_DNS"), ("triton_http", "STRICT_DNS"),
         ("triton_grpc_affinity", "STRICT_DNS"), ("triton_grpc", "STRICT_DNS")]

@@ -17,7 +17,7 @@ import yaml
 from prefillonly.serving.host.envoy_config import (AFFINITY_LB, ROUTINGS, USER_HEADER, FrontDoor, Upstream, envoy_config,
                                                    validate_config)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"
 KUBERNETES_VERSION = "1.33.0"
 CUSTOM_RESOURCES = {"monitoring.coreos.com/v1"}  # no schema in kubernetes-validate: parsed only

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PERF = ROOT / "perf"
 # `python -m perf.x ARGS`, `python perf/x.py ARGS` (how older results recorded it) or `perf/x.py ARGS`
 COMMAND_RE = re.compile(r"(?:python\s+-m\s+perf\.(\w+)|(?:python\s+)?perf/(\w+)\.py)(?=\s|$)(.*)", re.S)

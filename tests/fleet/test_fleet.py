@@ -31,7 +31,7 @@ from prefillonly.serving.host.prometheus import scrape_metrics
 from perf import envoy_hashing
 from perf.bench_placement import place
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REPO = ROOT / "model_repository"
 PROFILE, POST, BLOCK = 256, 20, 64  # tokens: a user's profile is 4 whole cache blocks
 ALLOWED = [9230, 2838]

@@ -1,6 +1,6 @@
 """The Triton-language kernels against float64 references and the torch path.
 
-Not collected by the main run (no test_ prefix): tests/test_gpu_kernels.py runs this file
+Not collected by the main run (no test_ prefix): tests/kernels/test_gpu_kernels.py runs this file
 in a subprocess, under Triton's interpreter on CPU (TRITON_INTERPRET=1 must be set before the
 kernels are defined, i.e. before they are imported) and natively on CUDA when a GPU is present.
 The interpreter has no bfloat16 (numpy), so it runs float16, which is the same kernel code;
@@ -24,8 +24,8 @@ from prefillonly.kernels import gpu_ops
 from prefillonly.model_spec import ModelSpec
 from prefillonly.weights import ModelWeights
 
-from .conftest import FAMILY_CONFIGS, make_random_model
-from .reference import attention_float64, hf_logprobs, load_hf, max_abs
+from ..conftest import FAMILY_CONFIGS, make_random_model
+from ..reference import attention_float64, hf_logprobs, load_hf, max_abs
 
 INTERPRETED = gpu_support.interpreting()
 DEVICE = torch.device("cpu" if INTERPRETED or not torch.cuda.is_available() else "cuda")

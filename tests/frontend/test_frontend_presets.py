@@ -15,7 +15,7 @@ from prefillonly.errors import ConfigError, InvalidRequestError
 from prefillonly.frontend.app import ServedSettings
 from prefillonly.frontend.presets import PRESETS_FILE, TemplateTokenizer, load_presets
 
-REPO = Path(__file__).resolve().parents[1] / "model_repository"
+REPO = Path(__file__).resolve().parents[2] / "model_repository"
 
 # Qwen3-Reranker's model card, in its own pieces
 QWEN3_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "

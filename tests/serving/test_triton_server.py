@@ -18,7 +18,7 @@ from prefillonly.serving.host.model_settings import copy_model_repository
 from prefillonly.serving.host.prometheus import scrape_metrics
 from prefillonly.serving.host.triton_server import running_server
 
-REPO = Path(__file__).resolve().parents[1] / "model_repository"
+REPO = Path(__file__).resolve().parents[2] / "model_repository"
 PROMPT = "Is the sky blue on a clear day? Answer:"
 
 

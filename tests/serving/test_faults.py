@@ -34,7 +34,7 @@ from prefillonly.serving.host.triton_server import ADMIN_KEY_HEADER
 
 from .test_triton_lifecycle import in_background
 
-REPO = Path(__file__).resolve().parents[1] / "model_repository"
+REPO = Path(__file__).resolve().parents[2] / "model_repository"
 ADMIN_KEY = "test-admin-key"
 LONG = [5] * 6000  # token ids: a second or more on one thread on the small model
 

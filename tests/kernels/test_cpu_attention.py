@@ -11,7 +11,7 @@ from prefillonly.kernels import cpu_ext
 from prefillonly.kernels.attention import (banded_attention, causal_attention, causal_attention_inplace, cpu_flash_attention,
                                            resolve_backend)
 
-from .reference import attention_float64 as reference
+from ..reference import attention_float64 as reference
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,8 @@ from prefillonly.kernels.linear import why_onednn_unavailable
 from prefillonly.model_spec import ModelSpec
 from prefillonly.weights import ModelWeights
 
-from .conftest import FAMILY_CONFIGS
-from .reference import hf_logprobs, load_hf, max_abs
+from ..conftest import FAMILY_CONFIGS
+from ..reference import hf_logprobs, load_hf, max_abs
 
 LENGTHS = [1, 2, 17, 130]  # 17 and 130 are not multiples of the chunk sizes below
 CHUNKS = [1, 7, 64, None]  # None = no chunking

@@ -1,7 +1,7 @@
 """The model of Envoy's consistent hashing (perf/envoy_hashing.py) on what holds by construction:
 the C++ generator and hash it relies on, Maglev's balance and order independence, and the bounded
 load rule. That it places users exactly as the real Envoy does is checked against Envoy itself in
-tests/test_fleet.py (real replicas) and perf/bench_placement.py."""
+tests/fleet/test_fleet.py (real replicas) and perf/bench_placement.py."""
 
 from __future__ import annotations
 

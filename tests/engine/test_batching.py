@@ -22,8 +22,8 @@ from prefillonly.scheduler.forward_plan import plan_items
 from prefillonly.scheduler import IndexPrefixView, JctEstimator, Scheduler, StepBudget, StepOutcome, TokenSplit, WaitingRequest
 from prefillonly.weights import ModelWeights
 
-from .conftest import FAMILY_CONFIGS
-from .reference import hf_logprobs, load_hf, max_abs
+from ..conftest import FAMILY_CONFIGS
+from ..reference import hf_logprobs, load_hf, max_abs
 
 CPU = torch.device("cpu")
 FP32_TOL = 1e-4
@@ -235,7 +235,7 @@ def test_a_step_follows_csjf_order_within_a_priority_class():
 
 def test_requests_needing_the_same_uncached_blocks_are_not_batched():
     # requests ranked on their own: with dependency groups `same_as_keeps_nothing` would lead
-    # its group and go first (tests/test_dependency_groups.py), which this test is not about
+    # its group and go first (tests/cache_scheduler/test_dependency_groups.py), which this test is not about
     sched, index = _scheduler("csjf-independent")
     profile = [b"u1-0", b"u1-1", b"u1-2"]
     first = _req(60, profile)

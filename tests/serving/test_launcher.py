@@ -17,7 +17,7 @@ from perf.perf_analyzer import PerfAnalyzerUnavailable, perf_analyzer_env, perf_
 from prefillonly.serving.host.server_tree import ServerError, prepare_server_dir
 from prefillonly.serving.host.triton_server import TritonServer, running_server
 
-from .echo_model import write_echo_model
+from ..echo_model import write_echo_model
 
 TEXT = "héllo, prefill wörld"
 

@@ -16,7 +16,7 @@ from prefillonly.frontend.presets import PRESETS_FILE
 from prefillonly.serving.host.prometheus import scrape_metrics
 from prefillonly.wire import USER_HEADER
 
-from .test_faults import REPO, supervised
+from ..serving.test_faults import REPO, supervised
 from .test_frontend_presets import published_qwen3_ids
 
 QUERY = "What is the capital of France? The user wants a short factual answer about European geography."

@@ -15,7 +15,7 @@ from prefillonly.model_spec import ModelSpec
 from prefillonly.weights import ModelWeights
 from prefillonly.workspace import plan_workspace
 
-from .conftest import FAMILY_CONFIGS
+from ..conftest import FAMILY_CONFIGS
 
 CPU = torch.device("cpu")
 SHAPES = [(1, 48, 40), (7, 576, 960), (130, 100, 333), (257, 1536, 576)]  # rows, in, out: odd sizes on purpose

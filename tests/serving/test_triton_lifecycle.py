@@ -16,7 +16,7 @@ from prefillonly.serving.host.model_settings import copy_model_repository
 from prefillonly.serving.host.prometheus import scrape_metrics
 from prefillonly.serving.host.triton_server import running_server
 
-REPO = Path(__file__).resolve().parents[1] / "model_repository"
+REPO = Path(__file__).resolve().parents[2] / "model_repository"
 LONG = [5] * 8000  # token ids: a few seconds of work on one thread on the small model
 WAITING = 'prefillonly_waiting_requests'
 CANCELLED = 'prefillonly_requests_total{outcome="cancelled"}'

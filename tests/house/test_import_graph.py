@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = "prefillonly"
 
 # Modules that must not need torch: the scheduler, the cache's bookkeeping and everything in
