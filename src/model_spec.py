@@ -146,42 +146,11 @@ class ModelSpec:
         gemma = family in GEMMA
         rope = getattr(config, "rope_parameters", None) or {}
         rope_per_type = bool(gemma and rope and set(rope) <= set(LAYER_TYPES))
-        for params in (rope.values() if rope_per_type else [rope]):
-            rope_type = (params or {}).get("rope_type", "default")
-            if rope_type not in SUPPORTED_ROPE_TYPES or (rope_type == "longrope" and family != "phi3"):
-                raise UnsupportedModelError(
-                    f"unsupported rope_type {rope_type!r} for {arch}; supported: {', '.join(SUPPORTED_ROPE_TYPES)} "
-                    f"(longrope on Phi-3 only)"
-                )
-        act_name = getattr(config, "hidden_activation", None) if gemma else getattr(config, "hidden_act", "silu")
-        activation = ACTIVATIONS.get(act_name)
-        if activation is None or (gemma != (activation == "gelu_tanh")):
-            raise UnsupportedModelError(f"unsupported MLP activation {act_name!r} for {arch}; "
-                                        f"supported: silu (Llama, Mistral, Qwen), gelu_pytorch_tanh (Gemma)")
+        _check_rope_types(rope, rope_per_type, family, arch)
+        activation = _activation(config, gemma, arch)
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        window = getattr(config, "sliding_window", None)
-        if family in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
-            window = None
-        layer_types = tuple(getattr(config, "layer_types", None) or ()) if gemma else ()
-        rotary_dim = switch = None
-        if family == "phi3":
-            partial = float(rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0)
-            rotary_dim = int(head_dim * partial)
-            if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
-                raise UnsupportedModelError(f"unsupported partial_rotary_factor {partial}: {rotary_dim} of {head_dim} "
-                                            f"head dims; supported: an even count of them")
-            if rope.get("rope_type") == "longrope":
-                switch = int(rope["original_max_position_embeddings"])
-            if window:  # every layer windowed (Phi-3-mini's 2,047): the kernels honour it at any length
-                layer_types = ("sliding_attention",) * config.num_hidden_layers
-        if gemma:
-            if len(layer_types) != config.num_hidden_layers or not set(layer_types) <= set(LAYER_TYPES):
-                raise UnsupportedModelError(f"unsupported layer_types {list(layer_types)!r}; each layer one of {', '.join(LAYER_TYPES)}")
-            if getattr(config, "use_bidirectional_attention", False):
-                raise UnsupportedModelError("use_bidirectional_attention is not supported (prefill-only scoring is causal)")
-            if "sliding_attention" in layer_types and not window:
-                raise UnsupportedModelError("sliding_attention layers without a sliding_window")
+        window, layer_types, rotary_dim, switch = _attention_layout(config, family, rope, head_dim)
         attention_bias = bool(getattr(config, "attention_bias", False))
         return cls(
             architecture=arch,
@@ -230,6 +199,55 @@ class ModelSpec:
         from transformers import AutoConfig
 
         return cls.from_hf_config(AutoConfig.from_pretrained(folder))
+
+
+def _check_rope_types(rope: dict, per_type: bool, family: str, arch: str) -> None:
+    for params in (rope.values() if per_type else [rope]):
+        rope_type = (params or {}).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES or (rope_type == "longrope" and family != "phi3"):
+            raise UnsupportedModelError(
+                f"unsupported rope_type {rope_type!r} for {arch}; supported: {', '.join(SUPPORTED_ROPE_TYPES)} "
+                f"(longrope on Phi-3 only)"
+            )
+
+
+def _activation(config, gemma: bool, arch: str) -> str:
+    """The gated MLP's activation: silu (SwiGLU) or gelu_tanh (Gemma's GeGLU), else refused."""
+    act_name = getattr(config, "hidden_activation", None) if gemma else getattr(config, "hidden_act", "silu")
+    activation = ACTIVATIONS.get(act_name)
+    if activation is None or (gemma != (activation == "gelu_tanh")):
+        raise UnsupportedModelError(f"unsupported MLP activation {act_name!r} for {arch}; "
+                                    f"supported: silu (Llama, Mistral, Qwen), gelu_pytorch_tanh (Gemma)")
+    return activation
+
+
+def _attention_layout(config, family: str, rope: dict, head_dim: int) -> tuple:
+    """(sliding window or None, per-layer types, rotary dims or None, LongRoPE's switch length or
+    None) as the family reads them from its config; what the kernels cannot honour is refused."""
+    gemma = family in GEMMA
+    window = getattr(config, "sliding_window", None)
+    if family in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+        window = None
+    layer_types = tuple(getattr(config, "layer_types", None) or ()) if gemma else ()
+    rotary_dim = switch = None
+    if family == "phi3":
+        partial = float(rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0)
+        rotary_dim = int(head_dim * partial)
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise UnsupportedModelError(f"unsupported partial_rotary_factor {partial}: {rotary_dim} of {head_dim} "
+                                        f"head dims; supported: an even count of them")
+        if rope.get("rope_type") == "longrope":
+            switch = int(rope["original_max_position_embeddings"])
+        if window:  # every layer windowed (Phi-3-mini's 2,047): the kernels honour it at any length
+            layer_types = ("sliding_attention",) * config.num_hidden_layers
+    if gemma:
+        if len(layer_types) != config.num_hidden_layers or not set(layer_types) <= set(LAYER_TYPES):
+            raise UnsupportedModelError(f"unsupported layer_types {list(layer_types)!r}; each layer one of {', '.join(LAYER_TYPES)}")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise UnsupportedModelError("use_bidirectional_attention is not supported (prefill-only scoring is causal)")
+        if "sliding_attention" in layer_types and not window:
+            raise UnsupportedModelError("sliding_attention layers without a sliding_window")
+    return window, layer_types, rotary_dim, switch
 
 
 def _cap(value) -> float | None:

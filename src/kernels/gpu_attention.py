@@ -65,6 +65,58 @@ def _attend_tile(q, k_ptrs, v_ptrs, kmask, visible, m_i, l_i, acc, qk_scale, sof
 
 
 @triton.jit
+def _attend_paged_prefix(q, KP, VP, Table, seq, kvh, pos_m, offs_n0, offs_d, lo, paged, s_ps, s_ph, s_pt, s_tb, window,
+                         m_i, l_i, acc, qk_scale, softcap, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                         WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+    """1. the paged prefix [lo, paged), read from the pool's blocks through the block table: every
+    query sees all of it, within its window."""
+    for n0 in range(lo, paged, BLOCK_N):
+        offs_n = n0 + offs_n0
+        kmask = offs_n < paged
+        slot = tl.load(Table + seq * s_tb + offs_n // PAGE, mask=kmask, other=0)
+        row = slot[:, None] * s_ps + kvh * s_ph + (offs_n % PAGE)[:, None] * s_pt + offs_d[None, :]
+        visible = kmask[None, :]
+        if WINDOW:
+            visible = visible & (pos_m[:, None] - offs_n[None, :] < window)
+        m_i, l_i, acc = _attend_tile(q, KP + row, VP + row, kmask, visible, m_i, l_i, acc, qk_scale, softcap,
+                                     MASKED=True, SOFTCAP=SOFTCAP)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_workspace(q, K, V, kvh, pos_m, seg, offs_n0, offs_d, lo, paged, hi, ctx, tile_first_pos, s_kh, s_kt, window,
+                      m_i, l_i, acc, qk_scale, softcap, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+                      SOFTCAP: tl.constexpr):
+    """2. the keys in the sequence's workspace segment [paged, hi) (tile_first_pos: the absolute
+    position of the tile's first query)."""
+    if WINDOW:  # the keys in the window: every tile masked (the window's edge moves per query)
+        for n0 in range(tl.maximum(lo, paged), hi, BLOCK_N):
+            offs_n = n0 + offs_n0
+            kmask = offs_n < hi
+            visible = ((offs_n[None, :] <= pos_m[:, None]) & kmask[None, :]
+                       & (pos_m[:, None] - offs_n[None, :] < window))
+            row = kvh * s_kh + (seg + n0)[:, None] * s_kt + offs_d[None, :]
+            m_i, l_i, acc = _attend_tile(q, K + row, V + row, kmask, visible, m_i, l_i, acc, qk_scale, softcap,
+                                         MASKED=True, SOFTCAP=SOFTCAP)
+    else:
+        # unmasked while below the tile's first query, then causal
+        diag = tl.minimum(tile_first_pos + 1, ctx)  # keys < diag are visible to every query here
+        n_full = paged + ((diag - paged) // BLOCK_N) * BLOCK_N
+        for n0 in range(paged, n_full, BLOCK_N):
+            row = kvh * s_kh + (seg + n0)[:, None] * s_kt + offs_d[None, :]
+            m_i, l_i, acc = _attend_tile(q, K + row, V + row, offs_n0, offs_n0, m_i, l_i, acc, qk_scale, softcap,
+                                         MASKED=False, SOFTCAP=SOFTCAP)
+        for n0 in range(n_full, hi, BLOCK_N):
+            offs_n = n0 + offs_n0
+            kmask = offs_n < ctx
+            visible = (offs_n[None, :] <= pos_m[:, None]) & kmask[None, :]
+            row = kvh * s_kh + (seg + n0)[:, None] * s_kt + offs_d[None, :]
+            m_i, l_i, acc = _attend_tile(q, K + row, V + row, kmask, visible, m_i, l_i, acc, qk_scale, softcap,
+                                         MASKED=True, SOFTCAP=SOFTCAP)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _prefill_attention_kernel(
     Q, K, V, Out, KP, VP, Table,
     q_start_ptr, q_len_ptr, kv_start_ptr, ctx_ptr, paged_ptr,
@@ -104,42 +156,10 @@ def _prefill_attention_kernel(
     # first key on (every prefix key is before every query, so the window is the only mask there)
     lo = tl.maximum(first_pos + pid_m * BLOCK_M - window + 1, 0) if WINDOW else 0
 
-    # 1. the paged prefix [lo, paged): every query sees all of it, within its window
-    for n0 in range(lo, paged, BLOCK_N):
-        offs_n = n0 + offs_n0
-        kmask = offs_n < paged
-        slot = tl.load(Table + seq * s_tb + offs_n // PAGE, mask=kmask, other=0)
-        row = slot[:, None] * s_ps + kvh * s_ph + (offs_n % PAGE)[:, None] * s_pt + offs_d[None, :]
-        visible = kmask[None, :]
-        if WINDOW:
-            visible = visible & (pos_m[:, None] - offs_n[None, :] < window)
-        m_i, l_i, acc = _attend_tile(q, KP + row, VP + row, kmask, visible, m_i, l_i, acc, qk_scale, softcap,
-                                     MASKED=True, SOFTCAP=SOFTCAP)
-
-    if WINDOW:  # 2. the workspace keys in the window: every tile masked (the window's edge moves per query)
-        for n0 in range(tl.maximum(lo, paged), hi, BLOCK_N):
-            offs_n = n0 + offs_n0
-            kmask = offs_n < hi
-            visible = ((offs_n[None, :] <= pos_m[:, None]) & kmask[None, :]
-                       & (pos_m[:, None] - offs_n[None, :] < window))
-            row = kvh * s_kh + (seg + n0)[:, None] * s_kt + offs_d[None, :]
-            m_i, l_i, acc = _attend_tile(q, K + row, V + row, kmask, visible, m_i, l_i, acc, qk_scale, softcap,
-                                         MASKED=True, SOFTCAP=SOFTCAP)
-    else:
-        # 2. the workspace keys [paged, ctx): unmasked while below the tile's first query, then causal
-        diag = tl.minimum(first_pos + pid_m * BLOCK_M + 1, ctx)  # keys < diag are visible to every query here
-        n_full = paged + ((diag - paged) // BLOCK_N) * BLOCK_N
-        for n0 in range(paged, n_full, BLOCK_N):
-            row = kvh * s_kh + (seg + n0)[:, None] * s_kt + offs_d[None, :]
-            m_i, l_i, acc = _attend_tile(q, K + row, V + row, offs_n0, offs_n0, m_i, l_i, acc, qk_scale, softcap,
-                                         MASKED=False, SOFTCAP=SOFTCAP)
-        for n0 in range(n_full, hi, BLOCK_N):
-            offs_n = n0 + offs_n0
-            kmask = offs_n < ctx
-            visible = (offs_n[None, :] <= pos_m[:, None]) & kmask[None, :]
-            row = kvh * s_kh + (seg + n0)[:, None] * s_kt + offs_d[None, :]
-            m_i, l_i, acc = _attend_tile(q, K + row, V + row, kmask, visible, m_i, l_i, acc, qk_scale, softcap,
-                                         MASKED=True, SOFTCAP=SOFTCAP)
+    m_i, l_i, acc = _attend_paged_prefix(q, KP, VP, Table, seq, kvh, pos_m, offs_n0, offs_d, lo, paged, s_ps, s_ph, s_pt,
+                                         s_tb, window, m_i, l_i, acc, qk_scale, softcap, PAGE, BLOCK_N, WINDOW, SOFTCAP)
+    m_i, l_i, acc = _attend_workspace(q, K, V, kvh, pos_m, seg, offs_n0, offs_d, lo, paged, hi, ctx, first_pos + pid_m * BLOCK_M,
+                                      s_kh, s_kt, window, m_i, l_i, acc, qk_scale, softcap, BLOCK_N, WINDOW, SOFTCAP)
 
     out = acc / l_i[:, None]
     tl.store(Out + h * s_oh + (q_start + offs_m)[:, None] * s_ot + offs_d[None, :], out.to(Out.dtype.element_ty),
