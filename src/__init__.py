@@ -1,6 +1,7 @@
 """PrefillOnly: an inference engine for prefill-only requests (one output token, its probability).
 
-Public API (docs/design.md §5): Engine, EngineConfig, ScoreResult, TokenScore and the errors.
+Public API (docs/design.md §5): Engine, EngineConfig, ScoreResult, TokenScore, ContinuationScore,
+PromptLogprobs and the errors.
 """
 
 from .errors import (
@@ -18,7 +19,8 @@ from .errors import (
 # Engine, EngineConfig and the result types are loaded on first use (PEP 562), so that importing
 # a tensor-free part of the package (the scheduler, the cache index, the wire protocol, the
 # frontend's schemas) does not pay for torch: `import prefillonly.scheduler` runs this file first.
-_LAZY = {"Engine": ".engine", "EngineConfig": ".config", "ScoreResult": ".result", "TokenScore": ".result"}
+_LAZY = {"Engine": ".engine", "EngineConfig": ".config", "ScoreResult": ".result", "TokenScore": ".result",
+         "ContinuationScore": ".result", "PromptLogprobs": ".result"}
 
 
 def __getattr__(name: str):
@@ -34,6 +36,8 @@ __all__ = [
     "EngineConfig",
     "ScoreResult",
     "TokenScore",
+    "ContinuationScore",
+    "PromptLogprobs",
     "PrefillOnlyError",
     "ConfigError",
     "UnsupportedModelError",

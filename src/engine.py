@@ -42,8 +42,8 @@ from .memory import ActivationBudget, available_memory_bytes
 from .model_spec import ModelSpec
 from .prompts import PromptEncoder
 from .request import (Request, RequestFuture, check_cache_prefix_len, check_deadline, check_length, check_namespace,
-                      check_priority, check_top_k)
-from .result import ScoreResult
+                      check_priority, check_span_top_k, check_top_k)
+from .result import ContinuationScore, PromptLogprobs, ScoreResult
 from .runner import PrefillRunner
 from .scheduler import Answer, IndexPrefixView, JctEstimator, Scheduler, StepBudget, StepOutcome, StepPlan
 from .stats import EngineStats, StepRecord
@@ -162,13 +162,57 @@ class Engine:
         item_ids = self.encoder.encode_items(items, item_template)
         keep = check_cache_prefix_len(cache_prefix_len, len(shared))
         namespace = check_namespace(cache_namespace, user)
+        self._check_items(shared, item_ids, "items")
+        return self._enqueue(Request(shared, allowed_ids, top_k, keep, namespace, item_ids=item_ids), priority, deadline_s)
+
+    def submit_loglikelihood(self, context, continuations, *, cache_prefix_len: int | None = None,
+                             cache_namespace: str | None = None, user: str | None = None, priority: int = 0,
+                             deadline_s: float | None = None) -> "Future[list[ContinuationScore]]":
+        """Queue the log-likelihood of each continuation after `context` (a multiple-choice question's
+        choices; lm-evaluation-harness's loglikelihood): one ContinuationScore per continuation, in
+        order, with the sum of its tokens' log-probabilities and whether each token was the most
+        likely one. The context is computed once (through the prefix cache like a prompt), the
+        continuations batched over it. Text is tokenized by lm-evaluation-harness's rule
+        (PromptEncoder.encode_continuations); token ids are taken as they are."""
+        shared, item_ids = self.encoder.encode_continuations(context, continuations)
+        keep = check_cache_prefix_len(cache_prefix_len, len(shared))
+        namespace = check_namespace(cache_namespace, user)
+        self._check_items(shared, item_ids, "continuations")
+        return self._enqueue(Request(shared, [], 0, keep, namespace, item_ids=item_ids, item_logprobs=True), priority, deadline_s)
+
+    def submit_prompt_logprobs(self, prompt, *, start: int = 1, top_k: int = 0, cache_prefix_len: int | None = None,
+                               cache_namespace: str | None = None, user: str | None = None, priority: int = 0,
+                               deadline_s: float | None = None) -> "Future[PromptLogprobs]":
+        """Queue the log-probability of each of the prompt's own tokens from position `start` on
+        (each given every token before it; 1 <= start < prompt length) and the `top_k` (<= 20) most
+        likely tokens at each: a PromptLogprobs. The prefix cache serves only the tokens before the
+        span (their hidden states are not kept)."""
+        ids = self.encoder.encode_prompt(prompt)
+        check_length(len(ids), self.max_input_len)
+        if len(ids) < 2:
+            raise InvalidRequestError("prompt has 1 token: per-position logprobs need at least 2")
+        if isinstance(start, bool) or not isinstance(start, int) or not 1 <= start < len(ids):
+            raise InvalidRequestError(f"start must be an integer in [1, {len(ids) - 1}] (the prompt has {len(ids)} tokens), got {start!r}")
+        keep = min(check_cache_prefix_len(cache_prefix_len, len(ids)), start - 1)
+        request = Request(ids, [], 0, keep, check_namespace(cache_namespace, user), logprob_rows=len(ids) - start,
+                          logprob_top_k=check_span_top_k(top_k))
+        return self._enqueue(request, priority, deadline_s)
+
+    def loglikelihood(self, context, continuations, **kwargs) -> "list[ContinuationScore]":
+        """submit_loglikelihood(...).result()."""
+        return self.submit_loglikelihood(context, continuations, **kwargs).result()
+
+    def prompt_logprobs(self, prompt, **kwargs) -> "PromptLogprobs":
+        """submit_prompt_logprobs(...).result()."""
+        return self.submit_prompt_logprobs(prompt, **kwargs).result()
+
+    def _check_items(self, shared: list[int], item_ids: list[list[int]], what: str) -> None:
         check_length(len(shared) + max(len(x) for x in item_ids), self.max_input_len)
         if len({self.spec.rope_long(len(shared) + len(x)) for x in item_ids}) > 1:
             raise InvalidRequestError(
-                f"the items put prompt + item on both sides of {self.spec.rope_switch_length} tokens, where this model's "
-                f"LongRoPE switches to its long factors (transformers would rotate them differently): send the items "
+                f"the {what} put prompt + item on both sides of {self.spec.rope_switch_length} tokens, where this model's "
+                f"LongRoPE switches to its long factors (transformers would rotate them differently): send the {what} "
                 f"shorter and longer than that as two requests")
-        return self._enqueue(Request(shared, allowed_ids, top_k, keep, namespace, item_ids=item_ids), priority, deadline_s)
 
     def score(self, prompt, allowed_tokens, **kwargs) -> ScoreResult:
         """submit(...).result(): the probabilities of the allowed tokens after `prompt`."""
@@ -227,8 +271,9 @@ class Engine:
             namespace = request.namespace
             if self.spec.rope_long(request.rope_length):
                 namespace = f"{namespace or ''}\0longrope-long"
-            request.block_hashes = self.cache.hashes(request.token_ids, namespace)
-        request.kept_blocks = request.keep_len // self.config.cache_block_size
+            # a logprob span's rows are computed: the cache may serve and keep only the tokens before them
+            request.block_hashes = self.cache.hashes(request.token_ids[: request.cacheable_tokens], namespace)
+        request.kept_blocks = min(request.keep_len, request.cacheable_tokens) // self.config.cache_block_size
         with self._cv:
             if self._closed:
                 raise EngineClosedError("engine is closed")

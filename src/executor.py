@@ -31,7 +31,7 @@ from .kernels.linear import linear
 from .model_spec import ModelSpec
 from .rope import RotaryTable
 from .weights import ModelWeights
-from .workspace import allocate, plan_workspace
+from .workspace import LOGPROB_ROWS, allocate, plan_workspace
 
 
 @dataclass
@@ -43,6 +43,10 @@ class Sequence:
     sink: KVSink | None = None  # offered each layer's K/V ([kv_heads, P + S, head_dim]) to keep
     capture: tuple[int, int] | None = None  # return the K/V of absolute positions [start, end)
     rope_length: int | None = None  # the length that picks LongRoPE's factors; None = prefix + new tokens
+    # also the log-probability of the sequence's own next token at its `logprob_rows` rows before
+    # the last (rows [S - 1 - n, S - 1): row r predicts token_ids[r + 1]), and at each its top k
+    logprob_rows: int = 0
+    logprob_top_k: int = 0
 
     @property
     def regime_length(self) -> int:
@@ -74,6 +78,8 @@ class ForwardBatch:
         for s in self.sequences:
             if s.new_tokens < 1:
                 raise ValueError("every sequence needs at least one new token")
+            if not 0 <= s.logprob_rows < s.new_tokens:
+                raise ValueError(f"logprob_rows {s.logprob_rows} must be in [0, {s.new_tokens}): rows before the last")
             self.row_starts.append(rows)
             self.kv_starts.append(kv)
             rows += s.new_tokens
@@ -104,9 +110,21 @@ class ForwardOutput:
 
 
 @dataclass
+class SpanLogprobs:
+    """Per row of a sequence's logprob span (Sequence.logprob_rows): the log-probability of the
+    sequence's actual next token, whether it is the argmax, and the k most likely tokens."""
+
+    logprobs: torch.Tensor  # [n] float32
+    greedy: torch.Tensor  # [n] bool
+    top_logprobs: torch.Tensor  # [n, k] float32, descending
+    top_ids: torch.Tensor  # [n, k] int64
+
+
+@dataclass
 class BatchOutput:
     logits: torch.Tensor  # [B, vocab] float32: row i after sequence i's last position
     captured: list[PrefixKV | None]  # per sequence, the K/V of its capture range
+    spans: list[SpanLogprobs | None] = field(default_factory=list)  # per sequence, its logprob span (None: none asked)
 
 
 class HybridPrefillExecutor:
@@ -188,8 +206,9 @@ class HybridPrefillExecutor:
             del attn
 
         logits = self._last_logits(ws, [r + s.new_tokens - 1 for r, s in zip(batch.row_starts, seqs)])
+        spans = [self._span_logprobs(ws, r, s) if s.logprob_rows else None for r, s in zip(batch.row_starts, seqs)]
         self.tokens_computed += plan.new_tokens
-        return BatchOutput(logits=logits, captured=[c.captured if c else None for c in captures])
+        return BatchOutput(logits=logits, captured=[c.captured if c else None for c in captures], spans=spans)
 
     def _rope_pieces(self, batch: ForwardBatch, chunks: list[tuple[int, int]]) -> dict:
         """Per RoPE table kind, each chunk's pieces with their rows' cos/sin tables: built once per
@@ -222,19 +241,43 @@ class HybridPrefillExecutor:
     def _last_logits(self, ws, rows: list[int]) -> torch.Tensor:
         """[len(rows), vocab] float32: the final norm and LM head on the given rows only (never
         S x vocab), at most one chunk of rows at a time (the norm's scratch has chunk rows)."""
-        spec = self.spec
         step = max(1, ws["normed"].shape[0])
         out = []
         for g in range(0, len(rows), step):
             idx = torch.tensor(rows[g : g + step], dtype=torch.long, device=self.device)
-            picked = ws["hidden"].index_select(0, idx)
-            last = torch.empty_like(picked)
-            self.ops.rms_norm_into(last, picked, self.weights.final_norm, spec.rms_norm_eps, ws["scratch32"][: idx.shape[0], : spec.hidden_size])
-            out.append((last @ self.weights.lm_head.t()).float())
-        logits = out[0] if len(out) == 1 else torch.cat(out)
-        if spec.final_softcap is not None:  # Gemma 2: before the log-softmax, so it changes the scores
+            out.append(self._lm_head(ws, ws["hidden"].index_select(0, idx)))
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _lm_head(self, ws, rows: torch.Tensor) -> torch.Tensor:
+        """[r, vocab] float32 logits of residual-stream rows (at most a chunk of them): final norm,
+        LM head, Gemma 2's soft cap (before the log-softmax, so it changes the scores)."""
+        spec = self.spec
+        normed = torch.empty_like(rows)
+        self.ops.rms_norm_into(normed, rows, self.weights.final_norm, spec.rms_norm_eps, ws["scratch32"][: rows.shape[0], : spec.hidden_size])
+        logits = (normed @ self.weights.lm_head.t()).float()
+        if spec.final_softcap is not None:
             logits = torch.tanh(logits.div_(spec.final_softcap)).mul_(spec.final_softcap)
         return logits
+
+    def _span_logprobs(self, ws, row_start: int, seq: Sequence) -> SpanLogprobs:
+        """The sequence's logprob span, LOGPROB_ROWS rows of logits at a time (memory.py counts one
+        such block), so any span length holds the hybrid-prefill memory bound."""
+        n, k = seq.logprob_rows, seq.logprob_top_k
+        first = seq.new_tokens - 1 - n  # the span's first local row
+        targets = seq.token_ids[first + 1 : first + 1 + n].to(self.device)
+        out = SpanLogprobs(torch.empty(n), torch.empty(n, dtype=torch.bool), torch.empty(n, k), torch.empty(n, k, dtype=torch.long))
+        step = max(1, min(LOGPROB_ROWS, ws["normed"].shape[0]))
+        for g in range(0, n, step):
+            h = min(n, g + step)
+            logprobs = self._lm_head(ws, ws["hidden"][row_start + first + g : row_start + first + h])
+            logprobs.sub_(torch.logsumexp(logprobs, -1, keepdim=True))
+            want = targets[g:h]
+            out.logprobs[g:h] = logprobs.gather(1, want[:, None])[:, 0].cpu()
+            out.greedy[g:h] = (logprobs.argmax(-1) == want).cpu()
+            if k:
+                values, ids = logprobs.topk(k, -1)
+                out.top_logprobs[g:h], out.top_ids[g:h] = values.cpu(), ids.cpu()
+        return out
 
     def _qkv_chunk(self, layer, ws, c0, c1, pieces, seqs, ks, vs) -> None:
         """A. packed rows [c0, c1): norm, fused QKV, (q/k norm), RoPE -> each sequence's Q/K/V."""

@@ -13,7 +13,7 @@ from .kernels.attention import INPLACE_QUERY_BLOCK, banded_scratch_bytes, cpu_fl
 from .kernels.backend import KernelBackend
 from .kernels.linear import allocates_output, call_scratch_bytes
 from .model_spec import ModelSpec
-from .workspace import plan_workspace
+from .workspace import LOGPROB_ROWS, plan_workspace
 
 _PAGE = 4096  # an allocation may touch one page more than its size (its header, the rounding)
 # A forward's allocations that are not tensors (Python objects, per-call library buffers, thread
@@ -56,7 +56,8 @@ def predict_peak_bytes(spec: ModelSpec, new_tokens: int, chunk_size: int | None,
 
 
 def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk_size: int | None, kernels: KernelBackend,
-                          captured_tokens: int = 0, inplace_attention: bool = False) -> dict[str, int]:
+                          captured_tokens: int = 0, inplace_attention: bool = False,
+                          logprob_spans: list[tuple[int, int]] | None = None) -> dict[str, int]:
     """The prediction by part, in bytes, for a forward over B = len(members) sequences packed
     row after row (executor.ForwardBatch; a single request is a batch of one):
 
@@ -79,6 +80,9 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
     ids        the token ids (int64): built by the caller before the forward starts, but held for it;
     small      RoPE cos/sin tables (float32 on CPU) and one chunk's angle table, the B last rows and
                their logits;
+    logprob_span  members' logprob spans (`logprob_spans`: (rows, top k) per member, Sequence.
+               logprob_rows): one block of LOGPROB_ROWS rows' normed states, logits and log-softmax
+               temporaries (spans run one after another, after the layers), and every span's outputs;
     pages      one page per allocation (header and rounding): an allowance, not a buffer;
     unseen     what a forward allocates outside tensors: an allowance (UNSEEN_BYTES).
     """
@@ -103,10 +107,23 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
         prefix_gather=0 if kernels.attention_path == "triton" else e * 2 * max(p for _, p in members) * spec.kv_width,
         ids=s * 8,
         small=spec.rope_tables * s * spec.head_dim * 4 + plan.chunk * spec.head_dim * 2 + last_rows,
+        logprob_span=_span_bytes(spec, logprob_spans or [], plan.chunk, e),
         pages=_PAGE * (len(plan.shapes) + 2 * pieces + 8 + (2 * b if b > 1 else 0)),  # workspace, RoPE tables, the few others
         unseen=UNSEEN_BYTES,
     )
 
+
+
+def _span_bytes(spec: ModelSpec, spans: list[tuple[int, int]], chunk: int, e: int) -> int:
+    """The logprob spans' part: one block (its rows' normed states in the model dtype, their logits,
+    which the float32 cast or the log-sum-exp's temporary doubles: 8 bytes per logit in either
+    dtype) and every row's outputs (its logprob, greedy flag and top-k values and ids)."""
+    spans = [(n, k) for n, k in spans if n]
+    if not spans:
+        return 0
+    block = min(LOGPROB_ROWS, chunk, max(n for n, _ in spans))
+    outputs = sum(n * (4 + 1 + k * (4 + 8)) for n, k in spans)
+    return block * (8 * spec.vocab_size + e * spec.hidden_size) + outputs + 6 * _PAGE * len(spans)
 
 
 def _attention_bytes(spec: ModelSpec, members: list[tuple[int, int]], kernels: KernelBackend, inplace: bool) -> int:
@@ -159,9 +176,11 @@ class ActivationBudget:
         self.budget_bytes = budget_bytes
         self.inplace_supported = inplace_attention_supported(kernels.device)
 
-    def peak_bytes(self, shape: list[tuple[int, int]], captured: int = 0, inplace: bool = False) -> int:
+    def peak_bytes(self, shape: list[tuple[int, int]], captured: int = 0, inplace: bool = False,
+                   logprob_spans: list[tuple[int, int]] | None = None) -> int:
         """Predicted peak of one forward over `shape` = [(new tokens, prefix tokens)]."""
-        return sum(batch_peak_components(self.spec, list(shape), self.chunk_size, self.kernels, captured, inplace).values())
+        return sum(batch_peak_components(self.spec, list(shape), self.chunk_size, self.kernels, captured, inplace,
+                                         logprob_spans).values())
 
 
 class PeakMemoryMeter:

@@ -1,7 +1,7 @@
 """Measures one forward's peak memory growth in a fresh process (docs/design.md §7).
 
     python -m prefillonly.memory_probe --tokens 8192 --chunk-size 512 [--model DIR | --random-config JSON]
-        [--dtype bfloat16] [--system prefillonly|transformers] [--members N]
+        [--dtype bfloat16] [--system prefillonly|transformers] [--members N] [--logprob-rows N [--logprob-top-k K]]
 
 Prints one JSON line: measured growth (VmHWM after - VmRSS before, high-water mark reset
 first), the engine's prediction, and the bytes per token. One length per process, so that
@@ -74,7 +74,9 @@ def measure(args) -> dict:
     measured = meter.peak_growth()
     chunk = args.chunk_size or None
     members = [(len(part), 0) for part in split_members(ids, args.members)]
-    parts = (batch_peak_components(spec, members, chunk, args.kernels, inplace_attention=args.inplace_attention)
+    spans = [(args.logprob_rows, args.logprob_top_k)] if args.logprob_rows else None
+    parts = (batch_peak_components(spec, members, chunk, args.kernels, inplace_attention=args.inplace_attention,
+                                   logprob_spans=spans)
              if args.system == "prefillonly" else None)
     predicted = sum(parts.values()) if parts else None
     return dict(system=args.system, tokens=args.tokens, members=args.members, chunk_size=chunk, dtype=args.dtype,
@@ -160,6 +162,10 @@ def _prefillonly_runner(args, spec, dtype, device):
     if args.members > 1:
         return lambda ids: executor.forward_batch(ForwardBatch([Sequence(x) for x in split_members(ids, args.members)]),
                                                   args.chunk_size or None, args.inplace_attention)
+    if args.logprob_rows:  # a logprob span over the last rows (the warm-up's shorter prompts: all but their last)
+        return lambda ids: executor.forward_batch(
+            ForwardBatch([Sequence(ids, logprob_rows=min(args.logprob_rows, len(ids) - 1), logprob_top_k=args.logprob_top_k)]),
+            args.chunk_size or None, args.inplace_attention)
     return lambda ids: executor.forward(ids, args.chunk_size or None, inplace_attention=args.inplace_attention)
 
 
@@ -193,6 +199,8 @@ def main(argv=None) -> int:
     p.add_argument("--attention-backend", default="auto", choices=BACKENDS, help="attention backend (auto: as the engine picks)")
     p.add_argument("--linear-backend", default="auto", choices=LINEAR_BACKENDS, help="linear backend (auto: as the engine picks)")
     p.add_argument("--members", type=int, default=1, help="run the tokens as one step of this many sequences (prefillonly)")
+    p.add_argument("--logprob-rows", type=int, default=0, help="also a logprob span over this many rows before the last (prefillonly, one member)")
+    p.add_argument("--logprob-top-k", type=int, default=0, help="top tokens per row of that span")
     args = p.parse_args(argv)
     args.linear = None  # resolved with the weights (prefillonly)
     args.backend = resolve_backend(args.attention_backend, torch.device("cpu")) if args.system == "prefillonly" else None

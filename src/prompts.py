@@ -97,6 +97,46 @@ class PromptEncoder:
             out.append(self.encode_prompt(item, what=f"item {i}", add_special_tokens=False))
         return out
 
+    def encode_continuations(self, context, continuations) -> tuple[list[int], list[list[int]]]:
+        """Token ids of a log-likelihood request: the context, and each continuation as it follows
+        the context (lm-evaluation-harness's rule for text: the context's trailing whitespace moves
+        to the continuation, the pair is encoded whole and the continuation is what follows the
+        context's own encoding). Token ids are taken as they are."""
+        if continuations is None or isinstance(continuations, (str, bytes)) or not hasattr(continuations, "__len__"):
+            raise InvalidRequestError("continuations must be a list of texts or token-id lists")
+        if len(continuations) == 0:
+            raise InvalidRequestError("continuations is empty; give at least one")
+        if self.limits is not None:
+            self.limits.check_count(len(continuations), "continuations", "max_items")
+        if isinstance(context, (bytes, bytearray)):
+            context = decode_utf8(bytes(context), "context")
+        decoded = []
+        for i, cont in enumerate(continuations):
+            if isinstance(cont, (bytes, bytearray)):
+                self._check_text(cont, f"continuations[{i}]")
+                cont = decode_utf8(bytes(cont), f"continuations[{i}]")
+            decoded.append(cont)
+        if isinstance(context, str) and all(isinstance(c, str) for c in decoded):
+            self._check_text(context, "context")
+            stripped = context.rstrip() if context.strip() else context
+            ctx = self.encode_prompt(stripped, what="context")
+            return ctx, [self._text_continuation(context, c, ctx, f"continuations[{i}]") for i, c in enumerate(decoded)]
+        ctx = self.encode_prompt(context, what="context")
+        return ctx, [self.encode_prompt(c, what=f"continuations[{i}]", add_special_tokens=False) for i, c in enumerate(decoded)]
+
+    def _text_continuation(self, context: str, continuation: str, context_ids: list[int], what: str) -> list[int]:
+        self._check_text(continuation, what)
+        _check_encodable(continuation, what)
+        if not continuation:
+            raise InvalidRequestError(f"{what} is empty")
+        spaces = len(context) - len(context.rstrip())
+        if spaces and context.strip():
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        ids = self.encode_prompt(context + continuation, what=what)[len(context_ids):]
+        if not ids:
+            raise InvalidRequestError(f"{what} adds no token after the context")
+        return ids
+
     def _check_text(self, text, what: str) -> None:
         if self.limits is not None:
             self.limits.check_text(text, what)

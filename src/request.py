@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from .errors import InvalidRequestError, PromptTooLongError
 
 ITEM_PLACEHOLDER = "{item}"
+MAX_SPAN_TOP_K = 20  # top tokens per position of a logprob span (OpenAI's legacy `logprobs` allows 5, vLLM 20)
 
 
 class RequestFuture(Future):
@@ -36,6 +37,11 @@ class Request:
     keep_len: int = 0  # leading tokens the prefix cache may keep (the cache boundary)
     namespace: str | None = None  # cache hits never cross namespaces
     item_ids: list[list[int]] | None = None  # multi-item: each item is scored as a suffix of token_ids
+    # a logprob span: the prompt's own tokens' log-probabilities at its last `logprob_rows` positions
+    # (each given the tokens before it), with the top `logprob_top_k` tokens there; runs alone
+    logprob_rows: int = 0
+    logprob_top_k: int = 0
+    item_logprobs: bool = False  # multi-item log-likelihood: each item's tokens' logprobs (ContinuationScore)
     priority: int = 0  # higher runs first
     deadline: float | None = None  # scheduler clock time after which it must not start
     block_hashes: list[bytes] = field(default_factory=list)  # the prompt's prefix-cache keys (set at enqueue)
@@ -57,6 +63,12 @@ class Request:
         return len(self.token_ids)
 
     @property
+    def cacheable_tokens(self) -> int:
+        """Leading prompt tokens the prefix cache may serve or keep: all of them, or those before a
+        logprob span's first row (which must be computed)."""
+        return len(self.token_ids) - 1 - self.logprob_rows if self.logprob_rows else len(self.token_ids)
+
+    @property
     def item_tokens(self) -> list[int] | None:
         return [len(x) for x in self.item_ids] if self.item_ids is not None else None
 
@@ -70,8 +82,8 @@ class Request:
     @property
     def runs_alone(self) -> bool:
         """A multi-item request is a step of its own: its shared prompt first, then its items
-        batched over the shared K/V."""
-        return self.item_ids is not None
+        batched over the shared K/V; so is one with a logprob span (its memory is planned alone)."""
+        return self.item_ids is not None or self.logprob_rows > 0
 
     def start(self) -> bool:
         """The worker picked it: its Future runs (False: it was cancelled first)."""
@@ -86,6 +98,14 @@ def check_top_k(top_k, vocab_size: int) -> int:
         raise InvalidRequestError(f"top_k must be an integer, got {top_k!r}")
     if not 0 <= top_k <= vocab_size:
         raise InvalidRequestError(f"top_k {top_k} must be between 0 and the vocabulary size {vocab_size}")
+    return int(top_k)
+
+
+def check_span_top_k(top_k) -> int:
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
+        raise InvalidRequestError(f"top_k must be an integer, got {top_k!r}")
+    if not 0 <= top_k <= MAX_SPAN_TOP_K:
+        raise InvalidRequestError(f"top_k {top_k} must be between 0 and {MAX_SPAN_TOP_K} for per-position logprobs")
     return int(top_k)
 
 

@@ -1,4 +1,5 @@
-"""What a scoring request returns (names fixed by docs/design.md §5): ScoreResult and TokenScore.
+"""What a scoring request returns (names fixed by docs/design.md §5): ScoreResult and TokenScore;
+a log-likelihood request ContinuationScore, a prompt-logprobs request PromptLogprobs.
 
 They are defined with the rest of the wire contract (wire.py), so that the engine's result, its
 `result_json` form and what the frontend and the clients decode from it are one type.
@@ -6,6 +7,6 @@ They are defined with the rest of the wire contract (wire.py), so that the engin
 
 from __future__ import annotations
 
-from .wire import ScoreResult, TokenScore
+from .wire import ContinuationScore, PromptLogprobs, ScoreResult, TokenScore
 
-__all__ = ["ScoreResult", "TokenScore"]
+__all__ = ["ContinuationScore", "PromptLogprobs", "ScoreResult", "TokenScore"]

@@ -23,7 +23,7 @@ from .prefix_io import PrefixKV
 from .request import Request
 from .result import ScoreResult
 from .scheduler import ItemsPlan, StepOutcome, StepPlan, TokenSplit
-from .scoring import build_result
+from .scoring import build_result, continuation_score, prompt_logprobs
 
 
 class PrefillRunner:
@@ -52,13 +52,15 @@ class PrefillRunner:
 
     def _run_batch(self, requests: list[Request], tickets: list[CacheTicket | None], shape: list[TokenSplit],
                    inplace: bool) -> StepOutcome:
-        batch = ForwardBatch([_uncached_sequence(r.token_ids, t) for r, t in zip(requests, tickets)])
+        batch = ForwardBatch([_uncached_sequence(r.token_ids, t, logprobs=(r.logprob_rows, r.logprob_top_k))
+                              for r, t in zip(requests, tickets)])
         t0 = time.perf_counter()
         self.meter.start()
         out = self.executor.forward_batch(batch, self.chunk_size, inplace)
         peak = self.meter.peak_growth()
         forward_s = time.perf_counter() - t0
-        results = [build_result(out.logits[i], r.allowed_ids, r.top_k, self.token_text, len(r.token_ids), split.cached, peak)
+        results = [prompt_logprobs(r.token_ids, out.spans[i], self.token_text, split.cached) if r.logprob_rows else
+                   build_result(out.logits[i], r.allowed_ids, r.top_k, self.token_text, len(r.token_ids), split.cached, peak)
                    for i, (r, split) in enumerate(zip(requests, shape))]
         return StepOutcome(results, forward_s=forward_s)
 
@@ -68,25 +70,30 @@ class PrefillRunner:
         shared, items = request.token_ids, request.item_ids
         p = ticket.cached_tokens if ticket is not None else 0
         regime = request.rope_length  # the shared part and every item rotate as its longest item does
-        shared_kv: PrefixKV = self.executor.forward_batch(
+        shared_out = self.executor.forward_batch(
             ForwardBatch([_uncached_sequence(shared, ticket, capture=(0, len(shared)), rope_length=regime)]), self.chunk_size,
-            items_plan.shared_inplace).captured[0]
+            items_plan.shared_inplace)
+        shared_kv: PrefixKV = shared_out.captured[0]
+        spans = request.item_logprobs  # log-likelihood: each item's own tokens after the first
         results: list[ScoreResult] = []
         for group in items_plan.groups:
             self.meter.start()
             out = self.executor.forward_batch(
-                ForwardBatch([Sequence(torch.tensor(items[j], dtype=torch.long), prefix=shared_kv, rope_length=regime)
-                              for j in group]),
+                ForwardBatch([Sequence(torch.tensor(items[j], dtype=torch.long), prefix=shared_kv, rope_length=regime,
+                                       logprob_rows=len(items[j]) - 1 if spans else 0) for j in group]),
                 self.chunk_size, items_plan.items_inplace)
             peak = self.meter.peak_growth()
-            results += [build_result(out.logits[g], request.allowed_ids, request.top_k, self.token_text,
+            results += [continuation_score(shared_out.logits[0], items[j], out.spans[g], len(shared), p) if spans else
+                        build_result(out.logits[g], request.allowed_ids, request.top_k, self.token_text,
                                      len(shared) + len(items[j]), p, peak) for g, j in enumerate(group)]
         return StepOutcome([results], item_tokens=sum(map(len, items)))
 
 
 def _uncached_sequence(ids: list[int], ticket: CacheTicket | None, capture: tuple[int, int] | None = None,
-                       rope_length: int | None = None) -> Sequence:
-    """The tokens the cache did not hold, fed the cached prefix and keeping the ticket's blocks."""
+                       rope_length: int | None = None, logprobs: tuple[int, int] = (0, 0)) -> Sequence:
+    """The tokens the cache did not hold, fed the cached prefix and keeping the ticket's blocks;
+    logprobs: (span rows, top k) of a logprob span (the cache never covers a span's rows)."""
     p = ticket.cached_tokens if ticket is not None else 0
     return Sequence(torch.tensor(ids[p:], dtype=torch.long), prefix=ticket.source if ticket else None,
-                    sink=ticket.sink if ticket else None, capture=capture, rope_length=rope_length)
+                    sink=ticket.sink if ticket else None, capture=capture, rope_length=rope_length,
+                    logprob_rows=logprobs[0], logprob_top_k=logprobs[1])

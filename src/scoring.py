@@ -1,10 +1,11 @@
-"""From the last position's logits to a ScoreResult."""
+"""From a forward's logits to what a request returns: the last position's logits to a ScoreResult,
+a logprob span to a continuation's log-likelihood or a prompt's per-position logprobs."""
 
 from __future__ import annotations
 
 import torch
 
-from .result import ScoreResult, TokenScore
+from .result import ContinuationScore, PromptLogprobs, ScoreResult, TokenScore
 
 
 def score_logits(logits: torch.Tensor, allowed_ids: list[int], top_k: int, token_text) -> tuple[list[TokenScore], TokenScore, list[TokenScore]]:
@@ -28,3 +29,27 @@ def score_logits(logits: torch.Tensor, allowed_ids: list[int], top_k: int, token
 def build_result(logits, allowed_ids, top_k, token_text, prompt_tokens, cached_tokens, peak_bytes) -> ScoreResult:
     tokens, chosen, top = score_logits(logits, allowed_ids, top_k, token_text)
     return ScoreResult(tokens=tokens, chosen=chosen, top_k=top, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens, peak_bytes=peak_bytes)
+
+
+def continuation_score(context_logits: torch.Tensor, continuation: list[int], span, context_tokens: int,
+                       cached_tokens: int) -> ContinuationScore:
+    """A continuation's log-likelihood: its first token from the context's last logits ([vocab]),
+    the rest from its own forward's span (executor.SpanLogprobs over its rows but the last; None
+    for a one-token continuation)."""
+    first = torch.log_softmax(context_logits.float(), dim=-1)
+    logprobs = [float(first[continuation[0]])]
+    greedy = int(torch.argmax(first)) == continuation[0]
+    if span is not None:
+        logprobs += span.logprobs.tolist()
+        greedy = greedy and bool(span.greedy.all())
+    return ContinuationScore(logprob=float(sum(logprobs)), is_greedy=greedy, tokens=len(continuation),
+                             token_logprobs=logprobs, context_tokens=context_tokens, cached_tokens=cached_tokens)
+
+
+def prompt_logprobs(token_ids: list[int], span, token_text, cached_tokens: int) -> PromptLogprobs:
+    """The prompt's per-position logprobs from its span (which covers positions S - n .. S - 1)."""
+    n = span.logprobs.shape[0]
+    top = [[TokenScore(id=int(i), text=token_text(int(i)), logprob=float(v), prob=float(torch.exp(v)))
+            for v, i in zip(values, ids)] for values, ids in zip(span.top_logprobs, span.top_ids)]
+    return PromptLogprobs(token_ids=list(token_ids), start=len(token_ids) - n, token_logprobs=span.logprobs.tolist(),
+                          greedy=span.greedy.tolist(), top_k=top if span.top_ids.shape[1] else [], cached_tokens=cached_tokens)

@@ -46,10 +46,17 @@ INPUT_TENSORS = (
     Tensor("allowed_token_ids", "INT64"), Tensor("items", "BYTES"), Tensor("item_ids", "INT64"),
     Tensor("item_lengths", "INT64"), Tensor("item_template", "BYTES", (1,)), Tensor("cache_prefix_len", "INT64", (1,)),
     Tensor("top_k", "INT64", (1,)), Tensor("priority", "INT64", (1,)), Tensor("apply_chat_template", "BOOL", (1,)),
-    Tensor("user", "BYTES", (1,)),
+    Tensor("user", "BYTES", (1,)), Tensor("task", "BYTES", (1,)), Tensor("logprobs_start", "INT64", (1,)),
 )
+# What a request asks (the `task` input): score the allowed tokens after each prompt (the default);
+# the log-likelihood of each continuation (the items) after one context (the prompt); or the
+# prompt's own tokens' log-probabilities from `logprobs_start` on (with the `top_k` there).
+SCORE, LOGLIKELIHOOD, PROMPT_LOGPROBS = "score", "loglikelihood", "prompt_logprobs"
+TASKS = (SCORE, LOGLIKELIHOOD, PROMPT_LOGPROBS)
 # Outputs, one element per result (prompts, or items of a multi-item call) in order; the allowed
-# tokens' probabilities row-major (result i's k allowed tokens in the order asked).
+# tokens' probabilities row-major (result i's k allowed tokens in the order asked). A loglikelihood
+# or prompt_logprobs answer has result_json (a ContinuationScore or PromptLogprobs each),
+# prompt_tokens and cached_tokens only.
 RESULT_JSON = "result_json"  # the whole ScoreResult as JSON: what the frontend and the clients read
 OUTPUT_TENSORS = (
     Tensor(RESULT_JSON, "BYTES"), Tensor("chosen_token", "BYTES"), Tensor("chosen_token_id", "INT64"),
@@ -63,10 +70,10 @@ TRITON_TYPES = {"object": "BYTES", "int64": "INT64", "bool": "BOOL", "float32": 
 
 # -- requests -----------------------------------------------------------------------------------
 def request_fields(prompt, allowed, *, items=None, item_template=None, top_k=None, cache_prefix_len=None,
-                   priority=None, apply_chat_template=None, user=None) -> dict:
+                   priority=None, apply_chat_template=None, user=None, task=None, logprobs_start=None) -> dict:
     """One request's fields, named as the inputs: `prompt` a text, several texts or token ids;
-    `allowed` strings and/or ids; `items` texts, or token-id lists (sent as item_ids +
-    item_lengths). An option left None is not sent."""
+    `allowed` strings and/or ids (none for the loglikelihood and prompt_logprobs tasks); `items`
+    texts, or token-id lists (sent as item_ids + item_lengths). An option left None is not sent."""
     import numpy as np
 
     fields = {}
@@ -85,10 +92,11 @@ def request_fields(prompt, allowed, *, items=None, item_template=None, top_k=Non
         fields["item_lengths"] = np.asarray([len(item) for item in items], dtype=np.int64)
     elif items is not None:
         fields["items"] = list(items)
-    for name, value in (("item_template", item_template), ("user", user)):
+    for name, value in (("item_template", item_template), ("user", user), ("task", task)):
         if value is not None:
             fields[name] = value
-    for name, value in (("top_k", top_k), ("cache_prefix_len", cache_prefix_len), ("priority", priority)):
+    for name, value in (("top_k", top_k), ("cache_prefix_len", cache_prefix_len), ("priority", priority),
+                        ("logprobs_start", logprobs_start)):
         if value is not None:
             fields[name] = np.asarray([value], dtype=np.int64)
     if apply_chat_template is not None:
@@ -177,6 +185,16 @@ def routing_headers(user) -> dict:
 
 
 # -- results ------------------------------------------------------------------------------------
+class _JsonResult:
+    """A result's plain-JSON forms: to_dict, and to_json (its `result_json` form)."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), ensure_ascii=False)
+
+
 @dataclass(frozen=True)
 class TokenScore:
     id: int
@@ -190,7 +208,7 @@ class TokenScore:
 
 
 @dataclass(frozen=True)
-class ScoreResult:
+class ScoreResult(_JsonResult):
     """What a scoring request returns (names fixed by docs/design.md §5); prefillonly.result is it."""
     tokens: list[TokenScore]  # one per allowed token, in the order asked
     chosen: TokenScore  # the allowed token with the highest probability
@@ -199,18 +217,67 @@ class ScoreResult:
     cached_tokens: int = 0  # prompt tokens whose K/V came from a cache instead of being computed
     peak_bytes: int | None = None  # measured peak memory growth of the request (None if unmeasurable)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def to_json(self) -> str:
-        """Its `result_json` form."""
-        return json.dumps(self.to_dict(), ensure_ascii=False)
-
     @classmethod
     def from_dict(cls, d: dict) -> "ScoreResult":
         return cls(tokens=[TokenScore.from_dict(t) for t in d["tokens"]], chosen=TokenScore.from_dict(d["chosen"]),
                    top_k=[TokenScore.from_dict(t) for t in d.get("top_k", ())], prompt_tokens=d.get("prompt_tokens", 0),
                    cached_tokens=d.get("cached_tokens", 0), peak_bytes=d.get("peak_bytes"))
+
+
+@dataclass(frozen=True)
+class ContinuationScore(_JsonResult):
+    """One continuation's log-likelihood after a context (Engine.loglikelihood; lm-evaluation-
+    harness's loglikelihood): the sum of its tokens' log-probabilities, each given the context and
+    the continuation's tokens before it, and whether every one of them was the most likely token."""
+    logprob: float
+    is_greedy: bool
+    tokens: int  # the continuation's tokens
+    token_logprobs: list[float] = field(default_factory=list)  # one per continuation token
+    context_tokens: int = 0
+    cached_tokens: int = 0  # context tokens whose K/V came from the prefix cache
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.context_tokens + self.tokens
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ContinuationScore":
+        return cls(logprob=d["logprob"], is_greedy=d["is_greedy"], tokens=d["tokens"],
+                   token_logprobs=list(d.get("token_logprobs", ())), context_tokens=d.get("context_tokens", 0),
+                   cached_tokens=d.get("cached_tokens", 0))
+
+
+@dataclass(frozen=True)
+class PromptLogprobs(_JsonResult):
+    """Per position of a prompt from `start` on (start >= 1): the log-probability of the prompt's own
+    token there given every token before it, whether it was the most likely one, and the k most
+    likely tokens at that position (Engine.prompt_logprobs; an OpenAI `echo` with `logprobs`)."""
+    token_ids: list[int]  # the whole prompt
+    start: int
+    token_logprobs: list[float]  # for positions start .. len(token_ids) - 1
+    greedy: list[bool]
+    top_k: list[list[TokenScore]] = field(default_factory=list)  # per position, when asked
+    cached_tokens: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PromptLogprobs":
+        return cls(token_ids=list(d["token_ids"]), start=d["start"], token_logprobs=list(d["token_logprobs"]),
+                   greedy=list(d["greedy"]), top_k=[[TokenScore.from_dict(t) for t in row] for row in d.get("top_k", ())],
+                   cached_tokens=d.get("cached_tokens", 0))
+
+
+def decode_answer(document: dict):
+    """One result_json document as its type: a ContinuationScore (it has `is_greedy`), a
+    PromptLogprobs (`token_logprobs` without `is_greedy`) or a ScoreResult."""
+    if "is_greedy" in document:
+        return ContinuationScore.from_dict(document)
+    if "token_logprobs" in document:
+        return PromptLogprobs.from_dict(document)
+    return ScoreResult.from_dict(document)
 
 
 def result_documents(values) -> list[dict]:
@@ -226,3 +293,8 @@ def result_documents(values) -> list[dict]:
 def decode_results(values) -> list[ScoreResult]:
     """An answer's result_json as ScoreResults."""
     return [ScoreResult.from_dict(d) for d in result_documents(values)]
+
+
+def decode_answers(values) -> list:
+    """An answer's result_json of any task: ScoreResults, ContinuationScores or PromptLogprobs."""
+    return [decode_answer(d) for d in result_documents(values)]

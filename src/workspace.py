@@ -10,6 +10,7 @@ same plan, so the two cannot drift apart.
     o_rows [C, q_width]   proj [C, d]   gate_up [C, 2F]   act [C, F]
   qkv, proj and gate_up are the projections' outputs: planned with no rows where the linear
   backend allocates its own outputs (kernels.linear.allocates_output; memory.py counts those).
+  after the layers, a logprob span's logits: LOGPROB_ROWS rows of [vocab] at a time.
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from .model_spec import ModelSpec
+
+
+# rows of a logprob span per LM-head call (executor._span_logprobs): their [rows, vocab] float32
+# logits and log-softmax temporaries are what a span adds to a forward's peak, whatever its length
+LOGPROB_ROWS = 64
 
 
 @dataclass(frozen=True)

@@ -17,41 +17,53 @@ from ..errors import OverBudgetError
 from .plan import ItemsPlan, StepBudget, TokenSplit
 
 
-def attention_in_place(budget: StepBudget, shape: list[TokenSplit], captured: int = 0) -> bool:
-    """Whether one forward over `shape` must write attention over Q (CPU: slower, no second
-    [S, q_width] tensor) to fit the activation budget; OverBudgetError if it fits neither way."""
-    if budget.fits_memory(shape, captured):
+def attention_in_place(budget: StepBudget, shape: list[TokenSplit], captured: int = 0,
+                       logprob_spans: list[tuple[int, int]] | None = None) -> bool:
+    """Whether one forward over `shape` (its members' logprob spans, (rows, top k) each) must write
+    attention over Q (CPU: slower, no second [S, q_width] tensor) to fit the activation budget;
+    OverBudgetError if it fits neither way."""
+    if budget.fits_memory(shape, captured, logprob_spans=logprob_spans):
         return False
     memory = budget.memory
-    if memory.inplace_supported and budget.fits_memory(shape, captured, inplace=True):
+    if memory.inplace_supported and budget.fits_memory(shape, captured, True, logprob_spans):
         return True
-    need = memory.peak_bytes(shape, captured, memory.inplace_supported)
+    need = memory.peak_bytes(shape, captured, memory.inplace_supported, logprob_spans)
     tokens = sum(s.uncached + s.cached for s in shape)
     raise OverBudgetError(
         f"a {tokens}-token prompt needs ~{need / 2**20:.1f} MiB of activation memory, over the budget of "
         f"{memory.budget_bytes / 2**20:.1f} MiB (raise activation_budget_bytes or lower chunk_size)")
 
 
-def item_modes(budget: StepBudget, shared_tokens: int, cached: int, items: list[int]) -> tuple[bool, bool]:
+def item_modes(budget: StepBudget, shared_tokens: int, cached: int, items: list[int],
+               item_logprobs: bool = False) -> tuple[bool, bool]:
     """Whether a multi-item request's shared prompt, and its longest item over the held shared K/V,
-    need attention in place (OverBudgetError if either fits neither way): the whole check at submit."""
+    need attention in place (OverBudgetError if either fits neither way): the whole check at submit.
+    item_logprobs: each item computes its own tokens' logprobs (a span of its length - 1 rows)."""
+    longest = max(items)
     return (attention_in_place(budget, [TokenSplit(shared_tokens - cached, cached)], captured=shared_tokens),
-            attention_in_place(budget, [TokenSplit(max(items), shared_tokens)], captured=shared_tokens))
+            attention_in_place(budget, [TokenSplit(longest, shared_tokens)], shared_tokens,
+                               _item_rows([longest], item_logprobs)))
 
 
-def plan_items(budget: StepBudget, shared_tokens: int, cached: int, items: list[int]) -> ItemsPlan:
+def _item_rows(items: list[int], item_logprobs: bool) -> list[tuple[int, int]] | None:
+    return [(n - 1, 0) for n in items] if item_logprobs else None
+
+
+def plan_items(budget: StepBudget, shared_tokens: int, cached: int, items: list[int],
+               item_logprobs: bool = False) -> ItemsPlan:
     """The shared prompt once (its K/V held for the request, counted like a capture of its size),
     then consecutive items per forward while their tokens fit the token budget and the step's
     prediction (each item reads the shared K/V as its prefix) fits the memory budget; items that
     need attention in place run one per forward."""
-    shared_inplace, items_inplace = item_modes(budget, shared_tokens, cached, items)
+    shared_inplace, items_inplace = item_modes(budget, shared_tokens, cached, items, item_logprobs)
     groups: list[list[int]] = []
     group: list[int] = []
     tokens = 0
     for j, n in enumerate(items):
         candidate = [TokenSplit(items[g], shared_tokens) for g in group] + [TokenSplit(n, shared_tokens)]
+        rows = _item_rows([items[g] for g in group] + [n], item_logprobs)
         if group and not items_inplace and tokens + n <= budget.tokens and \
-                budget.fits_memory(candidate, captured=shared_tokens):
+                budget.fits_memory(candidate, shared_tokens, logprob_spans=rows):
             group.append(j)
             tokens += n
         else:

@@ -45,6 +45,9 @@ class Schedulable(Protocol):
     kept_blocks: int  # leading blocks of block_hashes the request will keep in the cache
     runs_alone: bool  # never batched with other requests (multi-item)
     item_tokens: list[int] | None  # a multi-item request's item lengths (None: a plain prompt)
+    logprob_rows: int  # rows of the prompt's logprob span (0: none; a request with one runs alone)
+    logprob_top_k: int  # top tokens per row of that span
+    item_logprobs: bool  # a multi-item request wants each item's own tokens' logprobs (a span of len - 1 rows)
     priority: int
     deadline: float | None  # clock() time after which it must not start
     # written by the scheduler when it is added
@@ -68,6 +71,9 @@ class WaitingRequest:
     runs_alone: bool = False
     cache_prompt_tokens: int | None = None  # None = prompt_tokens
     item_tokens: list[int] | None = None
+    logprob_rows: int = 0
+    logprob_top_k: int = 0
+    item_logprobs: bool = False
     arrived: float = 0.0
     seq: int = 0
     frozen_estimate_s: float = 0.0
@@ -86,8 +92,10 @@ class StepMemory(Protocol):
     budget_bytes: int
     inplace_supported: bool  # whether attention can be written over Q to save a tensor
 
-    def peak_bytes(self, shape: list[TokenSplit], captured: int = 0, inplace: bool = False) -> int:
-        """Predicted peak of one forward over `shape`, holding `captured` tokens of K/V besides."""
+    def peak_bytes(self, shape: list[TokenSplit], captured: int = 0, inplace: bool = False,
+                   logprob_spans: list[tuple[int, int]] | None = None) -> int:
+        """Predicted peak of one forward over `shape`, holding `captured` tokens of K/V besides;
+        `logprob_spans`: per member, its logprob span's (rows, top k) (None: none)."""
 
 
 @dataclass(frozen=True)
@@ -102,8 +110,9 @@ class StepBudget:
     def admits(self, shape: list[TokenSplit], captured: int = 0, inplace: bool = False) -> bool:
         return sum(s.uncached for s in shape) <= self.tokens and self.fits_memory(shape, captured, inplace)
 
-    def fits_memory(self, shape: list[TokenSplit], captured: int = 0, inplace: bool = False) -> bool:
-        return self.memory is None or self.memory.peak_bytes(shape, captured, inplace) <= self.memory.budget_bytes
+    def fits_memory(self, shape: list[TokenSplit], captured: int = 0, inplace: bool = False,
+                    logprob_spans: list[tuple[int, int]] | None = None) -> bool:
+        return self.memory is None or self.memory.peak_bytes(shape, captured, inplace, logprob_spans) <= self.memory.budget_bytes
 
 
 @dataclass(eq=False)

@@ -223,15 +223,16 @@ class Scheduler:
         """OverBudgetError if `req` could not run even alone with nothing cached (no item groups:
         those are planned when it is picked)."""
         if req.item_tokens is not None:
-            item_modes(self.budget, req.cache_tokens, 0, req.item_tokens)
+            item_modes(self.budget, req.cache_tokens, 0, req.item_tokens, req.item_logprobs)
         else:
-            attention_in_place(self.budget, [TokenSplit(req.prompt_tokens, 0)])
+            attention_in_place(self.budget, [TokenSplit(req.prompt_tokens, 0)], logprob_spans=[(req.logprob_rows, req.logprob_top_k)])
 
     def _plan_forward(self, req: Schedulable, cached: int):
         """(attention in place, ItemsPlan or None) for `req` run alone with `cached` tokens read."""
         if req.item_tokens is not None:
-            return False, plan_items(self.budget, req.cache_tokens, cached, req.item_tokens)
-        return attention_in_place(self.budget, [TokenSplit(req.prompt_tokens - cached, cached)]), None
+            return False, plan_items(self.budget, req.cache_tokens, cached, req.item_tokens, req.item_logprobs)
+        return attention_in_place(self.budget, [TokenSplit(req.prompt_tokens - cached, cached)],
+                                  logprob_spans=[(req.logprob_rows, req.logprob_top_k)]), None
 
     def _refuse(self, plan: StepPlan, req: Schedulable, error: PrefillOnlyError, started: bool = False) -> None:
         if started or req.start():

@@ -185,7 +185,7 @@ class TokensMemory:
     budget_bytes = 2000
     inplace_supported = False
 
-    def peak_bytes(self, shape, captured=0, inplace=False):
+    def peak_bytes(self, shape, captured=0, inplace=False, logprob_spans=None):
         return sum(s.uncached for s in shape) * 1.5
 
 
@@ -270,7 +270,7 @@ class InPlaceMemory(TokensMemory):
 
     inplace_supported = True
 
-    def peak_bytes(self, shape, captured=0, inplace=False):
+    def peak_bytes(self, shape, captured=0, inplace=False, logprob_spans=None):
         return (super().peak_bytes(shape) + captured) / (2 if inplace else 1)
 
 

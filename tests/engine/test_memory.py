@@ -210,3 +210,18 @@ def test_mixed_layer_prediction_holds_on_the_kernel_and_the_banded_path():
     torch_path = probe(8192, 512, "float32", "sdpa", GEMMA3)
     assert torch_path["predicted_bytes"] >= torch_path["measured_bytes"], (
         f"gemma3 sdpa: predicted {mib(torch_path['predicted_bytes'])}, measured {mib(torch_path['measured_bytes'])}")
+
+
+def test_logprob_span_prediction_never_below_and_over_by_at_most_its_allowances():
+    """A logprob span over every row of an 8K prompt with a 32K vocabulary: the LM head runs on
+    LOGPROB_ROWS rows at a time (16 MiB of logits and temporaries, not 8K x 32K = 1 GiB), and the
+    prediction counts that block and the outputs like the rest of the forward."""
+    wide_vocab = dict(CONFIG, vocab_size=32000)
+    r = probe(8192, 512, "float32", "cpu_flash", wide_vocab, "--logprob-rows", "8191", "--logprob-top-k", "5")
+    parts = r["predicted_parts"]
+    assert parts["logprob_span"] > 64 * 32000 * 8, parts  # the block is counted
+    detail = f"8K span: predicted {mib(r['predicted_bytes'])} (span {mib(parts['logprob_span'])}), measured {mib(r['measured_bytes'])}"
+    assert r["predicted_bytes"] >= r["measured_bytes"], detail
+    assert r["predicted_bytes"] - r["measured_bytes"] <= allowance(r), detail
+    plain = probe(8192, 512, "float32", "cpu_flash", wide_vocab)
+    assert r["measured_bytes"] - plain["measured_bytes"] < 2 * parts["logprob_span"], (detail, mib(plain["measured_bytes"]))

@@ -67,6 +67,41 @@ def test_http_generate_multi_item_and_several_prompts(server, engine):
     assert status == 200 and len(out["chosen_token_id"]) == 2
 
 
+def test_loglikelihood_and_prompt_logprobs_tasks_equal_the_engine(server, engine):
+    """The two logprob tasks through HTTP generate and, for the forwarder, plain gRPC infer."""
+    context, choices = "Question: is the sky blue?\nAnswer:", [" yes", " no", " it is green"]
+    status, out = generate(server, {"text_input": context, "items": choices, "task": "loglikelihood"})
+    assert status == 200, out
+    want = engine.loglikelihood(context, choices)
+    got = [json.loads(x) for x in out["result_json"]]
+    assert [g["tokens"] for g in got] == [w.tokens for w in want] and [g["is_greedy"] for g in got] == [w.is_greedy for w in want]
+    assert [g["logprob"] for g in got] == pytest.approx([w.logprob for w in want], abs=1e-4)
+    assert out["prompt_tokens"] == [w.context_tokens + w.tokens for w in want] and "chosen_token" not in out
+    status, out = generate(server, {"text_input": PROMPT, "task": "prompt_logprobs", "logprobs_start": 3, "top_k": 2})
+    assert status == 200, out
+    span = engine.prompt_logprobs(PROMPT, start=3, top_k=2)
+    got = json.loads(out["result_json"])
+    assert got["start"] == 3 and got["token_logprobs"] == pytest.approx(span.token_logprobs, abs=1e-4)
+    assert [[t["id"] for t in row] for row in got["top_k"]] == [[t.id for t in row] for row in span.top_k]
+    result = unary_infer(server.grpc_url, {"input_ids": [1, 2, 3, 4], "item_ids": [5, 6, 7], "item_lengths": [1, 2],
+                                           "task": "loglikelihood"}, 120, "grpc")
+    assert [json.loads(x)["tokens"] for x in result.as_numpy("result_json")] == [1, 2]
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"text_input": PROMPT, "task": "generate"}, "unknown task 'generate'"),
+    ({"text_input": PROMPT, "task": "loglikelihood"}, "needs the continuations as items"),
+    ({"text_input": PROMPT, "task": "prompt_logprobs", "top_k": 50}, "top_k 50 must be between 0 and 20"),
+    ({"text_input": PROMPT, "task": "prompt_logprobs", "logprobs_start": 500}, "start must be an integer in"),
+    ({"input_ids": [1, 2], "item_ids": [999999], "item_lengths": [1], "task": "loglikelihood"}, "outside the vocabulary"),
+])
+def test_bad_task_input_is_an_error_and_the_server_keeps_serving(server, body, needle):
+    status, out = generate(server, body)
+    assert status == 400 and needle in out.get("error", ""), (status, out)
+    status, out = generate(server, {"text_input": PROMPT, "allowed_tokens": [" Yes", " No"]})
+    assert status == 200
+
+
 @pytest.mark.parametrize("body,needle", [
     ({"allowed_tokens": [" Yes"]}, "missing prompt"),
     ({"text_input": PROMPT}, "missing allowed tokens"),

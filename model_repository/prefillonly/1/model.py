@@ -26,7 +26,7 @@ from prefillonly.serving.model.drain import DrainWatch, drain_file_from_env
 from prefillonly.serving.model.inflight import InFlightWatcher, PendingRequest, when_all_done
 from prefillonly.serving.model.metrics import EngineMetrics
 from prefillonly.serving.model.protocol import error_reply, parse_request, results_to_outputs
-from prefillonly.wire import INPUTS
+from prefillonly.wire import INPUTS, LOGLIKELIHOOD, PROMPT_LOGPROBS
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 WARMUP_TOKENS = 16
@@ -95,12 +95,16 @@ class TritonPythonModel:
             pb_utils.Logger.log_info("prefillonly: drained")
 
     def _submit(self, call):
+        if call.task == LOGLIKELIHOOD:
+            return [self.engine.submit_loglikelihood(call.prompts[0], call.items, **call.options)]
         if call.items is not None:
             return [self.engine.submit_items(call.prompts[0], call.items, call.allowed, **call.options)]
+        submit = self.engine.submit_prompt_logprobs if call.task == PROMPT_LOGPROBS else \
+            (lambda prompt, **options: self.engine.submit(prompt, call.allowed, **options))
         futures = []
         try:
             for prompt in call.prompts:
-                futures.append(self.engine.submit(prompt, call.allowed, **call.options))
+                futures.append(submit(prompt, **call.options))
         except Exception:  # all or nothing: the request is answered with the error, so run none of it
             for f in futures:
                 f.cancel()

@@ -16,6 +16,10 @@ Inputs (all optional except a prompt and the allowed tokens):
   cache_prefix_len, top_k, priority   INT64 [1]
   apply_chat_template   BOOL [1]
   user                  BYTES [1]   cache namespace (tenant / user isolation)
+  task                  BYTES [1]   "score" (the default), "loglikelihood" (the prompt is the context,
+                        the items its continuations; no allowed tokens) or "prompt_logprobs" (each
+                        prompt's own tokens' logprobs from logprobs_start on, top_k <= 20 at each)
+  logprobs_start        INT64 [1]   prompt_logprobs: the first position scored (default 1)
 Outputs, one element per result (prompts, or items of a multi-item call), in order:
   result_json           BYTES [r]   the whole ScoreResult as JSON (ScoreResult.to_json; the unambiguous form)
   chosen_token          BYTES [r]
@@ -24,6 +28,8 @@ Outputs, one element per result (prompts, or items of a multi-item call), in ord
   allowed_probs         FP32  [r*k] row-major: result i's k allowed tokens in the order asked
   allowed_logprobs      FP32  [r*k] full-vocabulary log-probabilities, same layout
   prompt_tokens, cached_tokens   INT64 [r]
+(loglikelihood and prompt_logprobs: result_json, a ContinuationScore or PromptLogprobs each, and
+prompt_tokens and cached_tokens only.)
 The names, datatypes and dims, the error codes and their statuses are data in prefillonly.wire.
 """
 
@@ -36,7 +42,7 @@ import numpy as np
 
 from ...errors import InvalidRequestError, PrefillOnlyError
 from ...limits import RequestLimits
-from ...wire import CANCELLED, INPUTS, INTERNAL, RESULT_JSON, ScoreResult, triton_status
+from ...wire import CANCELLED, INPUTS, INTERNAL, LOGLIKELIHOOD, PROMPT_LOGPROBS, RESULT_JSON, SCORE, TASKS, ScoreResult, triton_status
 
 
 def error_reply(error: BaseException) -> tuple[str, str]:
@@ -60,7 +66,8 @@ class ScoreCall:
     prompts: list  # texts (str) or one list of token ids
     allowed: list  # strings and/or ids
     items: list | None = None
-    options: dict = field(default_factory=dict)  # keyword arguments for Engine.submit / submit_items
+    options: dict = field(default_factory=dict)  # keyword arguments for the engine's submit call of the task
+    task: str = SCORE
 
 
 def parse_request(tensors: dict[str, np.ndarray], limits: RequestLimits | None = None) -> ScoreCall:
@@ -89,14 +96,12 @@ def parse_request(tensors: dict[str, np.ndarray], limits: RequestLimits | None =
         limits.check_count(len(allowed_texts) + allowed_ids.size, "allowed tokens", "max_allowed_tokens")
     allowed = [_text(x, "allowed_tokens", limits) for x in allowed_texts]
     allowed += _ints(allowed_ids, "allowed_token_ids")
-    if not allowed:
+    task = _task(tensors)
+    if task == SCORE and not allowed:
         raise InvalidRequestError("missing allowed tokens: give allowed_tokens (strings) and/or allowed_token_ids")
-    options = {}
-    for name in ("cache_prefix_len", "top_k", "priority"):
-        if name in tensors:
-            options[name] = _scalar_int(tensors[name], name)
-    if "apply_chat_template" in tensors:
-        options["apply_chat_template"] = bool(_scalar(tensors["apply_chat_template"], "apply_chat_template"))
+    if task != SCORE and allowed:
+        raise InvalidRequestError(f"allowed tokens apply to task {SCORE!r}; task {task!r} scores the prompt's own tokens")
+    options = _task_options(tensors, task)
     if "user" in tensors:
         options["user"] = _text(_scalar(tensors["user"], "user"), "user")
     items = _items(tensors, limits)
@@ -109,7 +114,40 @@ def parse_request(tensors: dict[str, np.ndarray], limits: RequestLimits | None =
             options["item_template"] = _text(_scalar(tensors["item_template"], "item_template"), "item_template", limits)
     elif "item_template" in tensors:
         raise InvalidRequestError("item_template given without items")
-    return ScoreCall(prompts=prompts, allowed=allowed, items=items, options=options)
+    if task == LOGLIKELIHOOD and items is None:
+        raise InvalidRequestError("task 'loglikelihood' needs the continuations as items (texts) or item_ids with item_lengths")
+    if task == PROMPT_LOGPROBS and items is not None:
+        raise InvalidRequestError("task 'prompt_logprobs' takes prompts, not items")
+    return ScoreCall(prompts=prompts, allowed=allowed, items=items, options=options, task=task)
+
+
+def _task(tensors: dict[str, np.ndarray]) -> str:
+    if "task" not in tensors:
+        return SCORE
+    task = _text(_scalar(tensors["task"], "task"), "task")
+    if task not in TASKS:
+        raise InvalidRequestError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+    return task
+
+
+# the options each task takes (an option of another task is refused, not ignored)
+_TASK_OPTIONS = {SCORE: ("cache_prefix_len", "top_k", "priority", "apply_chat_template"),
+                 LOGLIKELIHOOD: ("cache_prefix_len", "priority"),
+                 PROMPT_LOGPROBS: ("cache_prefix_len", "top_k", "priority", "logprobs_start")}
+
+
+def _task_options(tensors: dict[str, np.ndarray], task: str) -> dict:
+    options = {}
+    for name in ("cache_prefix_len", "top_k", "priority", "logprobs_start", "apply_chat_template"):
+        if name not in tensors:
+            continue
+        if name not in _TASK_OPTIONS[task]:
+            raise InvalidRequestError(f"{name} does not apply to task {task!r}")
+        if name == "apply_chat_template":
+            options[name] = bool(_scalar(tensors[name], name))
+        else:
+            options["start" if name == "logprobs_start" else name] = _scalar_int(tensors[name], name)
+    return options
 
 
 def _items(tensors: dict[str, np.ndarray], limits: RequestLimits | None) -> list | None:
@@ -139,7 +177,13 @@ def _items(tensors: dict[str, np.ndarray], limits: RequestLimits | None) -> list
     return [ids[end - n:end] for n, end in zip(lengths, ends)]
 
 
-def results_to_outputs(results: list[ScoreResult]) -> dict[str, np.ndarray]:
+def results_to_outputs(results: list) -> dict[str, np.ndarray]:
+    """The output tensors of a request's results: ScoreResults, or (loglikelihood, prompt_logprobs)
+    ContinuationScores / PromptLogprobs, which have result_json and the token counts only."""
+    if results and not isinstance(results[0], ScoreResult):
+        return {RESULT_JSON: np.array([r.to_json().encode() for r in results], dtype=np.object_),
+                "prompt_tokens": np.array([r.prompt_tokens for r in results], dtype=np.int64),
+                "cached_tokens": np.array([r.cached_tokens for r in results], dtype=np.int64)}
     return {
         RESULT_JSON: np.array([r.to_json().encode() for r in results], dtype=np.object_),
         "chosen_token": np.array([r.chosen.text.encode() for r in results], dtype=np.object_),
