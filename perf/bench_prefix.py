@@ -34,11 +34,11 @@ BLOCK = 64
 
 def cache_bytes_for_profiles(engine_spec, trace: wl.Trace, dtype: torch.dtype) -> int:
     """Exactly the blocks of every user's profile (whole blocks), nothing more."""
-    from prefillonly.cache.kv_pool import KVPool
+    from prefillonly.cache.prefix_cache import PrefixCache
 
     profiles = {r.user: r.cache_prefix_len for r in trace.requests}
     blocks = sum(n // BLOCK for n in profiles.values())
-    return blocks * KVPool.bytes_per_block(engine_spec.num_layers, engine_spec.num_kv_heads, BLOCK, engine_spec.head_dim, dtype)
+    return blocks * PrefixCache.bytes_per_block(engine_spec, dtype, BLOCK)
 
 
 def run_ours(mode: str, trace: wl.Trace, threads: int, cache_bytes: int) -> dict:

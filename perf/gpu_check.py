@@ -374,7 +374,7 @@ def check_engine(report: Report, plan: Plan) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from prefillonly import Engine, EngineConfig
-    from prefillonly.cache.kv_pool import KVPool
+    from prefillonly.cache.prefix_cache import PrefixCache
 
     label, config = tiny_configs()[0]
     dev = plan.device
@@ -383,7 +383,7 @@ def check_engine(report: Report, plan: Plan) -> None:
         build_random_reference(config, 0).save_pretrained(folder)
         common = dict(model=folder, device=str(dev), dtype="float32", cache_block_size=16, chunk_size=64)
         spec = ModelSpec.from_folder(folder)
-        block = KVPool.bytes_per_block(spec.num_layers, spec.num_kv_heads, 16, spec.head_dim, torch.float32)
+        block = PrefixCache.bytes_per_block(spec, torch.float32, 16)
         plain = Engine(EngineConfig(**common, cache_budget_bytes=0))
         cached = Engine(EngineConfig(**common, cache_budget_bytes=64 * block))
         tiered = Engine(EngineConfig(**common, cache_budget_bytes=8 * block, cache_second_tier_bytes=64 * block))

@@ -185,15 +185,16 @@ class Engine:
                                deadline_s: float | None = None) -> "Future[PromptLogprobs]":
         """Queue the log-probability of each of the prompt's own tokens from position `start` on
         (each given every token before it; 1 <= start < prompt length) and the `top_k` (<= 20) most
-        likely tokens at each: a PromptLogprobs. The prefix cache serves only the tokens before the
-        span (their hidden states are not kept)."""
+        likely tokens at each: a PromptLogprobs. The prompt goes through the prefix cache like any
+        other: cached positions' logprobs come from the final hidden states the cache keeps with
+        their K/V (the LM head runs on them; nothing is recomputed)."""
         ids = self.encoder.encode_prompt(prompt)
         check_length(len(ids), self.max_input_len)
         if len(ids) < 2:
             raise InvalidRequestError("prompt has 1 token: per-position logprobs need at least 2")
         if isinstance(start, bool) or not isinstance(start, int) or not 1 <= start < len(ids):
             raise InvalidRequestError(f"start must be an integer in [1, {len(ids) - 1}] (the prompt has {len(ids)} tokens), got {start!r}")
-        keep = min(check_cache_prefix_len(cache_prefix_len, len(ids)), start - 1)
+        keep = check_cache_prefix_len(cache_prefix_len, len(ids))
         request = Request(ids, [], 0, keep, check_namespace(cache_namespace, user), logprob_rows=len(ids) - start,
                           logprob_top_k=check_span_top_k(top_k))
         return self._enqueue(request, priority, deadline_s)
@@ -271,9 +272,8 @@ class Engine:
             namespace = request.namespace
             if self.spec.rope_long(request.rope_length):
                 namespace = f"{namespace or ''}\0longrope-long"
-            # a logprob span's rows are computed: the cache may serve and keep only the tokens before them
-            request.block_hashes = self.cache.hashes(request.token_ids[: request.cacheable_tokens], namespace)
-        request.kept_blocks = min(request.keep_len, request.cacheable_tokens) // self.config.cache_block_size
+            request.block_hashes = self.cache.hashes(request.token_ids, namespace)
+        request.kept_blocks = request.keep_len // self.config.cache_block_size
         with self._cv:
             if self._closed:
                 raise EngineClosedError("engine is closed")

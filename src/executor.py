@@ -43,10 +43,13 @@ class Sequence:
     sink: KVSink | None = None  # offered each layer's K/V ([kv_heads, P + S, head_dim]) to keep
     capture: tuple[int, int] | None = None  # return the K/V of absolute positions [start, end)
     rope_length: int | None = None  # the length that picks LongRoPE's factors; None = prefix + new tokens
-    # also the log-probability of the sequence's own next token at its `logprob_rows` rows before
-    # the last (rows [S - 1 - n, S - 1): row r predicts token_ids[r + 1]), and at each its top k
+    # also the log-probability of the sequence's own next token at its `logprob_rows` positions
+    # before the last (positions [P + S - 1 - n, P + S - 1), cached ones included: their hidden
+    # states come from the prefix), and at each its top k; logprob_targets: the next token of each
+    # of those positions (needed when the span reaches into the prefix; else token_ids give them)
     logprob_rows: int = 0
     logprob_top_k: int = 0
+    logprob_targets: torch.Tensor | None = None
 
     @property
     def regime_length(self) -> int:
@@ -78,8 +81,11 @@ class ForwardBatch:
         for s in self.sequences:
             if s.new_tokens < 1:
                 raise ValueError("every sequence needs at least one new token")
-            if not 0 <= s.logprob_rows < s.new_tokens:
-                raise ValueError(f"logprob_rows {s.logprob_rows} must be in [0, {s.new_tokens}): rows before the last")
+            if not 0 <= s.logprob_rows < s.prefix_tokens + s.new_tokens:
+                raise ValueError(f"logprob_rows {s.logprob_rows} must be in [0, {s.prefix_tokens + s.new_tokens}): "
+                                 "positions before the last")
+            if s.logprob_rows >= s.new_tokens and s.logprob_targets is None:
+                raise ValueError("a logprob span that reaches into the prefix needs logprob_targets")
             self.row_starts.append(rows)
             self.kv_starts.append(kv)
             rows += s.new_tokens
@@ -205,6 +211,9 @@ class HybridPrefillExecutor:
                 self._mlp_chunk(layer, ws, attn, c0, c1, chunk_pieces)
             del attn
 
+        for r, s, sink in zip(batch.row_starts, seqs, sinks):
+            if sink is not None:  # the kept blocks' final hidden states (a later span over them reads these)
+                sink.store_hidden(ws["hidden"][r : r + s.new_tokens], s.prefix_tokens)
         logits = self._last_logits(ws, [r + s.new_tokens - 1 for r, s in zip(batch.row_starts, seqs)])
         spans = [self._span_logprobs(ws, r, s) if s.logprob_rows else None for r, s in zip(batch.row_starts, seqs)]
         self.tokens_computed += plan.new_tokens
@@ -260,16 +269,18 @@ class HybridPrefillExecutor:
         return logits
 
     def _span_logprobs(self, ws, row_start: int, seq: Sequence) -> SpanLogprobs:
-        """The sequence's logprob span, LOGPROB_ROWS rows of logits at a time (memory.py counts one
-        such block), so any span length holds the hybrid-prefill memory bound."""
-        n, k = seq.logprob_rows, seq.logprob_top_k
-        first = seq.new_tokens - 1 - n  # the span's first local row
-        targets = seq.token_ids[first + 1 : first + 1 + n].to(self.device)
+        """The sequence's logprob span, LOGPROB_ROWS positions of logits at a time (memory.py counts
+        one such block), so any span length holds the hybrid-prefill memory bound. Positions in
+        the prefix take their hidden states from it, the rest from the workspace."""
+        n, k, p = seq.logprob_rows, seq.logprob_top_k, seq.prefix_tokens
+        first = p + seq.new_tokens - 1 - n  # the span's first position
+        targets = seq.logprob_targets if seq.logprob_targets is not None else seq.token_ids[first - p + 1 : first - p + 1 + n]
+        targets = targets.to(self.device)
         out = SpanLogprobs(torch.empty(n), torch.empty(n, dtype=torch.bool), torch.empty(n, k), torch.empty(n, k, dtype=torch.long))
         step = max(1, min(LOGPROB_ROWS, ws["normed"].shape[0]))
         for g in range(0, n, step):
             h = min(n, g + step)
-            logprobs = self._lm_head(ws, ws["hidden"][row_start + first + g : row_start + first + h])
+            logprobs = self._lm_head(ws, self._span_rows(ws, row_start, seq, first + g, first + h))
             logprobs.sub_(torch.logsumexp(logprobs, -1, keepdim=True))
             want = targets[g:h]
             out.logprobs[g:h] = logprobs.gather(1, want[:, None])[:, 0].cpu()
@@ -278,6 +289,18 @@ class HybridPrefillExecutor:
                 values, ids = logprobs.topk(k, -1)
                 out.top_logprobs[g:h], out.top_ids[g:h] = values.cpu(), ids.cpu()
         return out
+
+    def _span_rows(self, ws, row_start: int, seq: Sequence, a: int, b: int) -> torch.Tensor:
+        """[b - a, hidden] final hidden states of positions [a, b): a view of the workspace's rows,
+        or (positions in the prefix) a block gathered from the prefix's source."""
+        p = seq.prefix_tokens
+        if a >= p:
+            return ws["hidden"][row_start + a - p : row_start + b - p]
+        rows = torch.empty((b - a, self.spec.hidden_size), dtype=self.dtype, device=self.device)
+        seq.prefix.hidden(a, rows[: min(b, p) - a])
+        if b > p:
+            rows[p - a :].copy_(ws["hidden"][row_start : row_start + b - p])
+        return rows
 
     def _qkv_chunk(self, layer, ws, c0, c1, pieces, seqs, ks, vs) -> None:
         """A. packed rows [c0, c1): norm, fused QKV, (q/k norm), RoPE -> each sequence's Q/K/V."""

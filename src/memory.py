@@ -82,7 +82,8 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
                their logits;
     logprob_span  members' logprob spans (`logprob_spans`: (rows, top k) per member, Sequence.
                logprob_rows): one block of LOGPROB_ROWS rows' normed states, logits and log-softmax
-               temporaries (spans run one after another, after the layers), and every span's outputs;
+               temporaries (spans run one after another, after the layers), and every span's outputs,
+               less `linear` and `attention`, whose transients are freed before the spans run;
     pages      one page per allocation (header and rounding): an allowance, not a buffer;
     unseen     what a forward allocates outside tensors: an allowance (UNSEEN_BYTES).
     """
@@ -107,23 +108,27 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
         prefix_gather=0 if kernels.attention_path == "triton" else e * 2 * max(p for _, p in members) * spec.kv_width,
         ids=s * 8,
         small=spec.rope_tables * s * spec.head_dim * 4 + plan.chunk * spec.head_dim * 2 + last_rows,
-        logprob_span=_span_bytes(spec, logprob_spans or [], plan.chunk, e),
+        # after the layers: the projections' and attention's transients are gone by then
+        logprob_span=max(0, _span_bytes(spec, members, logprob_spans or [], plan.chunk, e) - linear - attention),
         pages=_PAGE * (len(plan.shapes) + 2 * pieces + 8 + (2 * b if b > 1 else 0)),  # workspace, RoPE tables, the few others
         unseen=UNSEEN_BYTES,
     )
 
 
 
-def _span_bytes(spec: ModelSpec, spans: list[tuple[int, int]], chunk: int, e: int) -> int:
-    """The logprob spans' part: one block (its rows' normed states in the model dtype, their logits,
-    which the float32 cast or the log-sum-exp's temporary doubles: 8 bytes per logit in either
-    dtype) and every row's outputs (its logprob, greedy flag and top-k values and ids)."""
-    spans = [(n, k) for n, k in spans if n]
-    if not spans:
+def _span_bytes(spec: ModelSpec, members: list[tuple[int, int]], spans: list[tuple[int, int]], chunk: int, e: int) -> int:
+    """The logprob spans' part: one block (its rows' normed states in the model dtype, the rows
+    gathered from the prefix cache where the span starts inside it, their logits, which the float32
+    cast or the log-sum-exp's temporary doubles: 8 bytes per logit in either dtype) and every row's
+    outputs (its logprob, greedy flag and top-k values and ids)."""
+    if not any(n for n, _ in spans):
         return 0
     block = min(LOGPROB_ROWS, chunk, max(n for n, _ in spans))
     outputs = sum(n * (4 + 1 + k * (4 + 8)) for n, k in spans)
-    return block * (8 * spec.vocab_size + e * spec.hidden_size) + outputs + 6 * _PAGE * len(spans)
+    into_prefix = any(n >= new for (n, _), (new, _) in zip(spans, members))  # rows gathered from the cache
+    # per row: 8 bytes a logit, its normed state and (a span over cached positions) the gathered one
+    return (block * (8 * spec.vocab_size + (2 if into_prefix else 1) * e * spec.hidden_size) + outputs
+            + 6 * _PAGE * sum(1 for n, _ in spans if n))
 
 
 def _attention_bytes(spec: ModelSpec, members: list[tuple[int, int]], kernels: KernelBackend, inplace: bool) -> int:

@@ -1,7 +1,9 @@
 """How K/V of a prompt prefix flows into and out of the executor (the executor owns these).
 
 The executor asks a *source* to fill the first P positions of each layer's K/V buffers
-(cached prefix) and offers each layer's freshly computed K/V to a *sink* (blocks to keep).
+(cached prefix) and offers each layer's freshly computed K/V, and after the last layer the new
+positions' final hidden states, to a *sink* (blocks to keep); a logprob span over prefix
+positions reads their hidden states from the source.
 PrefixKV is the plain in-memory form (a list of per-layer tensors), used for multi-item
 scoring's shared prompt and in tests; the prefix cache (cache/prefix_cache.py) implements
 pool-backed ones.
@@ -25,10 +27,17 @@ class PrefixSource(Protocol):
         """(pool, slots) when the K/V sits in a KVPool's blocks that attention may read in place
         (the Triton kernel does, instead of load); None if it must be loaded."""
 
+    def hidden(self, start: int, dst: torch.Tensor) -> None:
+        """dst [n, hidden] = the final hidden states of prefix positions [start, start + n) (a
+        logprob span over cached positions); a source without them raises."""
+
 
 class KVSink(Protocol):
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Take what it keeps of this layer's full K/V buffers ([kv_heads, P + S, head_dim])."""
+
+    def store_hidden(self, rows: torch.Tensor, first_position: int) -> None:
+        """Take what it keeps of the final hidden states of positions [first_position, + len(rows))."""
 
 
 @dataclass
@@ -47,6 +56,9 @@ class PrefixKV:
     def paged(self) -> None:
         return None
 
+    def hidden(self, start: int, dst: torch.Tensor) -> None:
+        raise ValueError("a captured prefix keeps K/V only: a logprob span must start after it")
+
 
 @dataclass
 class CaptureSink:
@@ -60,6 +72,9 @@ class CaptureSink:
         self.captured.keys.append(k[:, self.start : self.end].clone())
         self.captured.values.append(v[:, self.start : self.end].clone())
 
+    def store_hidden(self, rows: torch.Tensor, first_position: int) -> None:
+        pass  # a capture is K/V for items that follow it
+
 
 class Sinks:
     """Several sinks behind one (e.g. the prefix cache's and a multi-item capture)."""
@@ -70,3 +85,7 @@ class Sinks:
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         for s in self.sinks:
             s.store(layer, k, v)
+
+    def store_hidden(self, rows: torch.Tensor, first_position: int) -> None:
+        for s in self.sinks:
+            s.store_hidden(rows, first_position)

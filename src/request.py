@@ -63,12 +63,6 @@ class Request:
         return len(self.token_ids)
 
     @property
-    def cacheable_tokens(self) -> int:
-        """Leading prompt tokens the prefix cache may serve or keep: all of them, or those before a
-        logprob span's first row (which must be computed)."""
-        return len(self.token_ids) - 1 - self.logprob_rows if self.logprob_rows else len(self.token_ids)
-
-    @property
     def item_tokens(self) -> list[int] | None:
         return [len(x) for x in self.item_ids] if self.item_ids is not None else None
 

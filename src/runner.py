@@ -52,14 +52,13 @@ class PrefillRunner:
 
     def _run_batch(self, requests: list[Request], tickets: list[CacheTicket | None], shape: list[TokenSplit],
                    inplace: bool) -> StepOutcome:
-        batch = ForwardBatch([_uncached_sequence(r.token_ids, t, logprobs=(r.logprob_rows, r.logprob_top_k))
-                              for r, t in zip(requests, tickets)])
+        batch = ForwardBatch([_uncached_sequence(r.token_ids, t, logprobs=(r.logprob_rows, r.logprob_top_k)) for r, t in zip(requests, tickets)])
         t0 = time.perf_counter()
         self.meter.start()
         out = self.executor.forward_batch(batch, self.chunk_size, inplace)
         peak = self.meter.peak_growth()
         forward_s = time.perf_counter() - t0
-        results = [prompt_logprobs(r.token_ids, out.spans[i], self.token_text, split.cached) if r.logprob_rows else
+        results = [prompt_logprobs(r.token_ids, out.spans[i], out.logits[i], self.token_text, split.cached) if r.logprob_rows else
                    build_result(out.logits[i], r.allowed_ids, r.top_k, self.token_text, len(r.token_ids), split.cached, peak)
                    for i, (r, split) in enumerate(zip(requests, shape))]
         return StepOutcome(results, forward_s=forward_s)
@@ -92,8 +91,11 @@ class PrefillRunner:
 def _uncached_sequence(ids: list[int], ticket: CacheTicket | None, capture: tuple[int, int] | None = None,
                        rope_length: int | None = None, logprobs: tuple[int, int] = (0, 0)) -> Sequence:
     """The tokens the cache did not hold, fed the cached prefix and keeping the ticket's blocks;
-    logprobs: (span rows, top k) of a logprob span (the cache never covers a span's rows)."""
+    logprobs: (positions, top k) of a logprob span over the prompt's last positions but one
+    (cached ones read their hidden states from the cache)."""
     p = ticket.cached_tokens if ticket is not None else 0
+    rows = logprobs[0]
     return Sequence(torch.tensor(ids[p:], dtype=torch.long), prefix=ticket.source if ticket else None,
                     sink=ticket.sink if ticket else None, capture=capture, rope_length=rope_length,
-                    logprob_rows=logprobs[0], logprob_top_k=logprobs[1])
+                    logprob_rows=rows, logprob_top_k=logprobs[1],
+                    logprob_targets=torch.tensor(ids[len(ids) - rows :], dtype=torch.long) if rows else None)

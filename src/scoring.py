@@ -19,10 +19,7 @@ def score_logits(logits: torch.Tensor, allowed_ids: list[int], top_k: int, token
         for i, lp, p in zip(allowed_ids, allowed_lp.tolist(), allowed_p.tolist())
     ]
     chosen = tokens[int(torch.argmax(allowed_p))]
-    top = []
-    if top_k:
-        values, indices = torch.topk(logprobs, top_k)
-        top = [TokenScore(id=int(i), text=token_text(int(i)), logprob=float(v), prob=float(torch.exp(v))) for v, i in zip(values, indices)]
+    top = _top_scores(*torch.topk(logprobs, top_k), token_text) if top_k else []
     return tokens, chosen, top
 
 
@@ -46,10 +43,16 @@ def continuation_score(context_logits: torch.Tensor, continuation: list[int], sp
                              token_logprobs=logprobs, context_tokens=context_tokens, cached_tokens=cached_tokens)
 
 
-def prompt_logprobs(token_ids: list[int], span, token_text, cached_tokens: int) -> PromptLogprobs:
-    """The prompt's per-position logprobs from its span (which covers positions S - n .. S - 1)."""
-    n = span.logprobs.shape[0]
-    top = [[TokenScore(id=int(i), text=token_text(int(i)), logprob=float(v), prob=float(torch.exp(v)))
-            for v, i in zip(values, ids)] for values, ids in zip(span.top_logprobs, span.top_ids)]
+def prompt_logprobs(token_ids: list[int], span, last_logits: torch.Tensor, token_text, cached_tokens: int) -> PromptLogprobs:
+    """The prompt's per-position logprobs from its span (which covers positions S - n .. S - 1),
+    and the most likely next tokens after it (as many as per position, at least the argmax)."""
+    n, k = span.logprobs.shape[0], span.top_ids.shape[1]
+    top = [_top_scores(values, ids, token_text) for values, ids in zip(span.top_logprobs, span.top_ids)]
+    values, ids = torch.topk(torch.log_softmax(last_logits.float(), dim=-1), max(1, k))
     return PromptLogprobs(token_ids=list(token_ids), start=len(token_ids) - n, token_logprobs=span.logprobs.tolist(),
-                          greedy=span.greedy.tolist(), top_k=top if span.top_ids.shape[1] else [], cached_tokens=cached_tokens)
+                          greedy=span.greedy.tolist(), top_k=top if k else [], cached_tokens=cached_tokens,
+                          next_top_k=_top_scores(values, ids, token_text))
+
+
+def _top_scores(values: torch.Tensor, ids: torch.Tensor, token_text) -> list[TokenScore]:
+    return [TokenScore(id=int(i), text=token_text(int(i)), logprob=float(v), prob=float(torch.exp(v))) for v, i in zip(values, ids)]

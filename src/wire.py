@@ -258,6 +258,7 @@ class PromptLogprobs(_JsonResult):
     greedy: list[bool]
     top_k: list[list[TokenScore]] = field(default_factory=list)  # per position, when asked
     cached_tokens: int = 0
+    next_top_k: list[TokenScore] = field(default_factory=list)  # after the prompt: the argmax first (max(1, top_k) of them)
 
     @property
     def prompt_tokens(self) -> int:
@@ -267,7 +268,7 @@ class PromptLogprobs(_JsonResult):
     def from_dict(cls, d: dict) -> "PromptLogprobs":
         return cls(token_ids=list(d["token_ids"]), start=d["start"], token_logprobs=list(d["token_logprobs"]),
                    greedy=list(d["greedy"]), top_k=[[TokenScore.from_dict(t) for t in row] for row in d.get("top_k", ())],
-                   cached_tokens=d.get("cached_tokens", 0))
+                   cached_tokens=d.get("cached_tokens", 0), next_top_k=[TokenScore.from_dict(t) for t in d.get("next_top_k", ())])
 
 
 def decode_answer(document: dict):

@@ -2,7 +2,10 @@
 
 Layout k, v: [layers, slots, kv_heads, block_size, head_dim]. A request's cached prefix is
 gathered per layer (index_select over its slots) straight into the executor's K/V buffers,
-so only one layer's prefix is ever materialised outside the pool.
+so only one layer's prefix is ever materialised outside the pool. h: [slots, block_size, hidden]
+(hidden_size > 0): each position's final hidden state (the residual stream after the last layer,
+before the final norm), so that a logprob span starting inside cached blocks needs no recompute:
+the LM head runs on these rows.
 """
 
 from __future__ import annotations
@@ -12,15 +15,19 @@ import torch
 
 class KVPool:
     def __init__(self, num_layers: int, slots: int, kv_heads: int, block_size: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, pin_memory: bool = False):
+                 dtype: torch.dtype, device: torch.device, pin_memory: bool = False, hidden_size: int = 0):
         shape = (num_layers, slots, kv_heads, block_size, head_dim)
         self.block_size = block_size
         self.k = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
         self.v = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+        self.h = torch.empty((slots, block_size, hidden_size), dtype=dtype, device=device, pin_memory=pin_memory) \
+            if hidden_size else None
 
     @staticmethod
-    def bytes_per_block(num_layers: int, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * kv_heads * block_size * head_dim * torch.tensor([], dtype=dtype).element_size()
+    def bytes_per_block(num_layers: int, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype,
+                        hidden_size: int = 0) -> int:
+        e = torch.tensor([], dtype=dtype).element_size()
+        return (2 * num_layers * kv_heads * head_dim + hidden_size) * block_size * e
 
     def read(self, layer: int, slots: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor) -> None:
         """k_dst, v_dst: [kv_heads, n, head_dim] with n <= len(slots) * block_size."""
@@ -36,8 +43,25 @@ class KVPool:
             h, _, d = src.shape
             pool[layer].index_copy_(0, slots, src.reshape(h, n_blocks, self.block_size, d).transpose(0, 1))
 
+    def read_hidden(self, slots: torch.Tensor, start: int, dst: torch.Tensor) -> None:
+        """dst [n, hidden] = the final hidden states of positions [start, start + n) of the prefix
+        held in `slots` (block by block: nothing larger than one block is materialised)."""
+        b, n, at = self.block_size, dst.shape[0], 0
+        while at < n:
+            pos = start + at
+            slot, offset = int(slots[pos // b]), pos % b
+            take = min(b - offset, n - at)
+            dst[at : at + take].copy_(self.h[slot, offset : offset + take])
+            at += take
+
+    def write_hidden(self, slots: torch.Tensor, src: torch.Tensor) -> None:
+        """src: [len(slots) * block_size, hidden], the blocks' positions in order."""
+        self.h.index_copy_(0, slots, src.reshape(slots.shape[0], self.block_size, -1))
+
     def copy_slot(self, src_slot: int, dst: "KVPool", dst_slot: int) -> None:
-        """One block, every layer, to a slot of `dst` (another tier); async where possible."""
+        """One block, every layer (and its hidden states), to a slot of `dst` (another tier); async where possible."""
         non_blocking = self.k.device.type != dst.k.device.type
         dst.k[:, dst_slot].copy_(self.k[:, src_slot], non_blocking=non_blocking)
         dst.v[:, dst_slot].copy_(self.v[:, src_slot], non_blocking=non_blocking)
+        if self.h is not None and dst.h is not None:
+            dst.h[dst_slot].copy_(self.h[src_slot], non_blocking=non_blocking)

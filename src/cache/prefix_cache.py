@@ -5,7 +5,8 @@ Per request:
     executor.forward(ids[ticket.cached_tokens:], prefix=ticket.source, sink=ticket.sink)
     cache.commit(ticket)  (or cache.abort(ticket) if the forward failed)
 
-Only whole blocks inside the keep boundary (`keep_len`: by default the whole prompt, or the
+A block keeps its positions' K/V of every layer and their final hidden states (a logprob span
+over cached positions runs the LM head on those). Only whole blocks inside the keep boundary (`keep_len`: by default the whole prompt, or the
 request's `cache_prefix_len`) are written to the pool; every other token's K/V lives only in
 the executor's per-layer buffers (suffix discard). Blocks that find no room are dropped
 (overflow is never an error). At least one token is always computed, so a fully cached prompt
@@ -44,6 +45,9 @@ class _PoolSource:
     def paged(self) -> tuple[KVPool, torch.Tensor]:
         return self.pool, self.slots
 
+    def hidden(self, start: int, dst: torch.Tensor) -> None:
+        self.pool.read_hidden(self.slots, start, dst)
+
 
 class _PoolSink:
     """A KVSink that writes positions [start, start + n_blocks * B) of each layer into the reserved slots."""
@@ -55,23 +59,34 @@ class _PoolSink:
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.pool.write(layer, self.slots, k[:, self.start : self.end], v[:, self.start : self.end])
 
+    def store_hidden(self, rows: torch.Tensor, first_position: int) -> None:
+        """rows: the final hidden states of positions [first_position, first_position + len(rows))."""
+        self.pool.write_hidden(self.slots, rows[self.start - first_position : self.end - first_position])
+
 
 class PrefixCache:
     def __init__(self, spec, dtype: torch.dtype, device: torch.device, block_size: int, budget_bytes: int,
                  second_tier_bytes: int = 0, model_id: str = ""):
         self.block_size = block_size
         self.model_id = model_id
-        self.block_bytes = KVPool.bytes_per_block(spec.num_layers, spec.num_kv_heads, block_size, spec.head_dim, dtype)
+        self.block_bytes = self.bytes_per_block(spec, dtype, block_size)
         tier1 = budget_bytes // self.block_bytes
         tier2 = second_tier_bytes // self.block_bytes
         dims = (spec.num_layers, spec.num_kv_heads, block_size, spec.head_dim)
-        make = lambda slots, dev, pin: KVPool(dims[0], slots, dims[1], dims[2], dims[3], dtype, dev, pin)  # noqa: E731
+        make = lambda slots, dev, pin: KVPool(dims[0], slots, dims[1], dims[2], dims[3], dtype, dev, pin,  # noqa: E731
+                                              spec.hidden_size)
         self.pools = {1: make(tier1, device, False)}
         if tier2:
             # on CUDA the second tier is pinned host memory (async copies); on CPU another pool
             self.pools[2] = make(tier2, torch.device("cpu"), device.type == "cuda")
         self.index = PrefixIndex(tier1, tier2, block_size)
         self.device = device
+
+    @staticmethod
+    def bytes_per_block(spec, dtype: torch.dtype, block_size: int) -> int:
+        """One block's bytes: its positions' K/V of every layer and their final hidden states (what a
+        logprob span over cached positions reads). Budgets are counted in these."""
+        return KVPool.bytes_per_block(spec.num_layers, spec.num_kv_heads, block_size, spec.head_dim, dtype, spec.hidden_size)
 
     @property
     def stats(self) -> CacheStats:

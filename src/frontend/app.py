@@ -27,7 +27,7 @@ from ..serving.host.model_settings import engine_settings
 from ..setting_strings import is_unset, optional_int
 from ..wire import MODEL
 from .presets import PRESETS_FILE, TemplateTokenizer, load_presets
-from .scoring import Limits, Scoring
+from .scoring import DEFAULT_MAX_PROMPTS_PER_CALL, Limits, Scoring
 from .upstream import TritonUpstream
 
 log = logging.getLogger("prefillonly.frontend")
@@ -43,6 +43,7 @@ class ServedSettings:
     max_input_len: int | None  # None: the checkpoint's context length
     max_items: int
     max_prompts: int  # max_prompts_per_request
+    max_waiting: int = DEFAULT_MAX_WAITING
 
     @classmethod
     def read(cls, model_dir: str | Path) -> "ServedSettings":
@@ -59,11 +60,15 @@ class ServedSettings:
         return cls(model=values.get("model"), cache_dir=values.get("cache_dir") or default_cache_dir(),
                    max_input_len=number("max_input_len", None), max_items=number("max_items", DEFAULT_MAX_ITEMS),
                    max_prompts=number("max_prompts_per_request",
-                                      default_max_prompts(number("max_waiting", DEFAULT_MAX_WAITING))))
+                                      default_max_prompts(number("max_waiting", DEFAULT_MAX_WAITING))),
+                   max_waiting=number("max_waiting", DEFAULT_MAX_WAITING))
 
 
 def build_scoring(model_repository: str | Path, triton_grpc: str, model_name: str = MODEL,
-                  presets_path: str | Path | None = None) -> Scoring:
+                  presets_path: str | Path | None = None, max_prompts_per_call: int = DEFAULT_MAX_PROMPTS_PER_CALL) -> Scoring:
+    """The scoring frontend over the engine model of `model_repository`. max_prompts_per_call: the
+    most prompts one completions (or item_first score) call may carry; each is its own engine
+    request, so it is capped at the engine's max_waiting (the queue must take the call whole)."""
     from transformers import AutoTokenizer
 
     from ..default_model import ensure_default_model
@@ -79,7 +84,10 @@ def build_scoring(model_repository: str | Path, triton_grpc: str, model_name: st
     max_input_len = settings.max_input_len or ModelSpec.from_folder(checkpoint).context_length
     tokens = TemplateTokenizer(tokenizer, max_input_len)
     presets = load_presets(presets_path or model_dir / PRESETS_FILE, tokens)
-    limits = Limits(max_documents=settings.max_items, max_prompts=settings.max_prompts)
+    if max_prompts_per_call > settings.max_waiting:
+        log.warning("--max-prompts-per-call %d is over the engine's max_waiting %d: capped at it", max_prompts_per_call,
+                    settings.max_waiting)
+    limits = Limits(max_documents=settings.max_items, max_prompts=min(max_prompts_per_call, settings.max_waiting))
     return Scoring(tokens, presets, TritonUpstream(triton_grpc, model_name), base_model=model_name, limits=limits)
 
 
@@ -91,11 +99,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--presets", default=None, help=f"scoring presets (default: {PRESETS_FILE} beside its config.pbtxt)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8010)
+    p.add_argument("--max-prompts-per-call", type=int, default=DEFAULT_MAX_PROMPTS_PER_CALL,
+                   help="most prompts one /v1/completions call may carry (each its own engine request; capped at the "
+                        f"engine's max_waiting; default {DEFAULT_MAX_PROMPTS_PER_CALL}, lm-evaluation-harness's batch sizes)")
     p.add_argument("--check", action="store_true", help="load the tokenizer and presets, print them, exit")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        scoring = build_scoring(a.model_repository, a.triton_grpc, a.model_name, a.presets)
+        if a.max_prompts_per_call < 1:
+            raise ConfigError(f"--max-prompts-per-call must be at least 1, got {a.max_prompts_per_call}")
+        scoring = build_scoring(a.model_repository, a.triton_grpc, a.model_name, a.presets, a.max_prompts_per_call)
     except ConfigError as e:
         print(f"prefillonly.frontend: {e}", file=sys.stderr)
         return 2

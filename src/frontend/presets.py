@@ -80,6 +80,10 @@ class TemplateTokenizer:
         """Ids of `text`; special tokens of the model (BOS) only at the start of a prompt."""
         return list(self.tokenizer.encode(text, add_special_tokens=first))
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as the engine decodes it (no clean-up of spaces)."""
+        return self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
+
     def single_token(self, label: str) -> int | None:
         ids = self.encode(label)
         return ids[0] if len(ids) == 1 else None

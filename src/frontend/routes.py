@@ -6,6 +6,7 @@
     POST /v1/score               SGLang scoring            {scores[[p per label]], model, usage, object: "scoring"}
     POST /generative_scoring     vLLM generative scoring   {id, object: "list", model, data[{index, object, score}], usage}
     POST /v1/completions         OpenAI, one token         {id, object: "text_completion", choices[{text, logprobs}], usage}
+                                 (echo + logprobs: the prompt's own tokens scored, frontend/echo.py)
     GET  /v1/models              the presets and the raw model
     GET  /health                 200 while the engine is ready, else 503
 
@@ -30,6 +31,7 @@ from pydantic import ValidationError
 
 from ..errors import PrefillOnlyError
 from ..wire import INTERNAL, USER_HEADER, ScoreResult
+from .echo import echo_choice
 from .errors import APIError, error_response, validation_message
 from .schemas import CompletionRequest, RerankRequest, ScoreRequest, TeiRerankRequest, TextDocument
 from .scoring import Scored, Scoring, log_odds, relevance
@@ -231,19 +233,16 @@ def completion_routes(scoring: Scoring) -> APIRouter:
     async def completions(request: Request):
         body = await _parse(request, CompletionRequest)
         prompts = _completion_prompts(scoring, body)
+        if body.echo:
+            return await _echo_completion(scoring, body, prompts, _user(request, body.user))
         k, allowed = body.logprobs or 0, body.allowed_token_ids
         top_k = k if allowed is None else 0
         results = await scoring.complete(prompts, allowed, max(top_k, 1 if allowed is None else 0), _user(request, body.user))
         generate = body.max_tokens != 0
         choices = [_choice(i, r, allowed is not None, k if body.logprobs is not None else None, generate)
                    for i, r in enumerate(results)]
-        prompt_tokens = sum(r.prompt_tokens for r in results)
-        completion_tokens = len(results) if generate else 0
-        return {"id": _new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": body.model,
-                "choices": choices,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens,
-                          "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in results)}}}
+        return _completion(body, choices, sum(r.prompt_tokens for r in results), len(results) if generate else 0,
+                           sum(r.cached_tokens for r in results))
 
     return router
 
@@ -257,14 +256,34 @@ def _completion_prompts(scoring: Scoring, body: CompletionRequest) -> list:
                        "never decodes further", param="max_tokens")
     if body.logprobs is not None and not 0 <= body.logprobs <= scoring.limits.max_logprobs:
         raise APIError(f"logprobs must be between 0 and {scoring.limits.max_logprobs}, not {body.logprobs}", param="logprobs")
-    for name, bad in (("echo", body.echo), ("stream", body.stream), ("n", body.n != 1),
-                      ("best_of", body.best_of not in (None, 1))):
+    for name, bad in (("stream", body.stream), ("n", body.n != 1), ("best_of", body.best_of not in (None, 1))):
         if bad:
             raise APIError(f"{name} is not supported: one prompt gives exactly one token here", param=name)
+    if body.echo and body.allowed_token_ids is not None:
+        raise APIError("allowed_token_ids does not apply with echo: echo scores the prompt's own tokens", param="allowed_token_ids")
     prompts = _prompts(body.prompt)
     if body.allowed_token_ids is not None and not body.allowed_token_ids:
         raise APIError("allowed_token_ids is empty", param="allowed_token_ids")
     return prompts
+
+
+async def _echo_completion(scoring: Scoring, body: CompletionRequest, prompts: list, user: str | None) -> dict:
+    """echo: every prompt token's logprob (and the `logprobs` most likely tokens at each), then the
+    generated token when max_tokens is 1 (frontend/echo.py)."""
+    k = body.logprobs or 0
+    ids = await scoring.prompt_ids(prompts)
+    answers = await scoring.echo(ids, k, user)
+    generate = body.max_tokens != 0
+    choices = [echo_choice(i, p, a, scoring.token_text, k, generate, prompt if isinstance(prompt, str) else None)
+               for i, (p, a, prompt) in enumerate(zip(ids, answers, prompts))]
+    return _completion(body, choices, sum(map(len, ids)), len(ids) if generate else 0, sum(a.cached_tokens for a in answers))
+
+
+def _completion(body: CompletionRequest, choices: list[dict], prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
+    return {"id": _new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": body.model,
+            "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}}
 
 
 def _choice(index: int, result: ScoreResult, among_allowed: bool, logprobs: int | None, generate: bool) -> dict:

@@ -9,17 +9,20 @@ import asyncio
 import math
 from dataclasses import dataclass
 
-from ..limits import DEFAULT_MAX_ITEMS, DEFAULT_MAX_PROMPTS_PER_REQUEST
+from ..limits import DEFAULT_MAX_ITEMS
 from ..wire import ScoreResult, TokenScore
 from .errors import APIError
 from .presets import QUERY, DOCUMENT, Rendered, ScoringPreset, TemplateTokenizer
 from .upstream import TritonUpstream, UpstreamError
 
 
+DEFAULT_MAX_PROMPTS_PER_CALL = 256  # lm-evaluation-harness batches up to this many prompts per completions call
+
+
 @dataclass(frozen=True)
 class Limits:
     max_documents: int = DEFAULT_MAX_ITEMS  # the engine's max_items: one query's documents in one request
-    max_prompts: int = DEFAULT_MAX_PROMPTS_PER_REQUEST  # completions / item_first prompts per call (the engine's)
+    max_prompts: int = DEFAULT_MAX_PROMPTS_PER_CALL  # completions / item_first prompts per call (each its own engine request)
     max_logprobs: int = 20
 
 
@@ -119,13 +122,33 @@ class Scoring:
         self._check_prompts(len(prompts), "prompts")
         if allowed_ids is not None and len(set(allowed_ids)) != len(allowed_ids):
             raise APIError("allowed_token_ids has duplicates", param="allowed_token_ids")
+        ids = await self.prompt_ids(prompts)
+        return await self._call(self.upstream.score_prompts(ids, allowed_ids or [0], user=user, top_k=top_k))
+
+    async def prompt_ids(self, prompts: list) -> list[list[int]]:
+        """Token ids of completions prompts (texts with the model's special tokens, ids as they are)."""
+        self._check_prompts(len(prompts), "prompts")
         ids = await asyncio.to_thread(lambda: [self.tokens.encode(p, first=True) if isinstance(p, str) else list(p)
                                                for p in prompts])
         for i, p in enumerate(ids):
             if not p:
                 raise APIError(f"prompt[{i}] is empty", param="prompt")
             self._check_length(len(p), f"prompt[{i}]")
-        return await self._call(self.upstream.score_prompts(ids, allowed_ids or [0], user=user, top_k=top_k))
+        return ids
+
+    async def echo(self, ids: list[list[int]], top_k: int, user: str | None) -> list:
+        """Per prompt (token ids), its own tokens' logprobs with the top_k at each and the next
+        tokens after it (a PromptLogprobs); a one-token prompt, which has no position to score, gets
+        its ScoreResult with the max(1, top_k) next tokens instead."""
+        longer = [p for p in ids if len(p) > 1]
+        single = [p for p in ids if len(p) == 1]
+        spans = await self._call(self.upstream.prompt_logprobs(longer, top_k=top_k, user=user)) if longer else []
+        singles = await self._call(self.upstream.score_prompts(single, [0], user=user, top_k=max(1, top_k))) if single else []
+        spans, singles = iter(spans), iter(singles)
+        return [next(spans) if len(p) > 1 else next(singles) for p in ids]
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokens.token_text(token_id)
 
     # -- bounds ---------------------------------------------------------------------------------
     def _check_documents(self, n: int, name: str) -> None:
@@ -137,8 +160,8 @@ class Scoring:
 
     def _check_prompts(self, n: int, name: str) -> None:
         if n > self.limits.max_prompts:
-            raise APIError(f"too many {name}: {n} (max_prompts_per_request is {self.limits.max_prompts}); split the call",
-                           param=name)
+            raise APIError(f"too many {name}: {n} (the frontend takes at most {self.limits.max_prompts} per call: "
+                           "--max-prompts-per-call, never above the engine's max_waiting); split the call", param=name)
 
     def _check_length(self, n: int, name: str) -> None:
         if n > self.tokens.max_input_len:

@@ -9,7 +9,8 @@ until every answer is in (Triton's decoupled model answers each request once).
     results = await upstream.score_items(shared_ids, item_ids, label_ids, user="u1")   # list[ScoreResult]
 
 Each result is a ScoreResult (prefillonly.wire, decoded from its `result_json` output): tokens
-[TokenScore(id, text, logprob, prob)], chosen, top_k, prompt_tokens, cached_tokens. Requests are
+[TokenScore(id, text, logprob, prob)], chosen, top_k, prompt_tokens, cached_tokens; the
+prompt_logprobs task's is a PromptLogprobs. Requests are
 built by the clients' rule (wire.request_fields, wire.infer_inputs), the affinity header by its
 rule for a user id (wire.routing_headers). Engine errors come back as UpstreamError with the
 engine's code ("invalid_request", "overloaded", ...) and message.
@@ -24,8 +25,8 @@ import grpc
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from ..wire import (INTERNAL, MODEL, RESULT_JSON, UNAVAILABLE, ScoreResult, code_of, decode_results, infer_inputs,
-                    request_fields, routing_headers)
+from ..wire import (INTERNAL, MODEL, PROMPT_LOGPROBS, RESULT_JSON, UNAVAILABLE, PromptLogprobs, ScoreResult, code_of,
+                    decode_answers, infer_inputs, request_fields, routing_headers)
 
 
 class UpstreamError(Exception):
@@ -77,7 +78,7 @@ class TritonUpstream:
         except InferenceServerException:
             return False
 
-    # -- the two request shapes ------------------------------------------------------------
+    # -- the request shapes ----------------------------------------------------------------
     async def score_items(self, shared: list[int], items: list[list[int]], allowed_ids: list[int], *,
                           user: str | None = None, top_k: int = 0, priority: int = 0) -> list[ScoreResult]:
         """One multi-item request: `shared` computed once, each item scored over it."""
@@ -90,6 +91,13 @@ class TritonUpstream:
         """Independent prompts (token ids), one Triton request each on one stream, so the engine's
         scheduler sees them all at once; results in order."""
         requests = [self._request(request_fields(p, allowed_ids, top_k=top_k or None, user=user or None)) for p in prompts]
+        return [r[0] for r in await self._stream(requests, user)]
+
+    async def prompt_logprobs(self, prompts: list[list[int]], *, top_k: int = 0, user: str | None = None) -> list[PromptLogprobs]:
+        """Each prompt's own tokens' logprobs from its second token on (the prompt_logprobs task),
+        one Triton request each on one stream; results in order."""
+        requests = [self._request(request_fields(p, [], task=PROMPT_LOGPROBS, top_k=top_k or None, user=user or None))
+                    for p in prompts]
         return [r[0] for r in await self._stream(requests, user)]
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -115,7 +123,7 @@ class TritonUpstream:
                 if error is not None:
                     raise _error_of(error)
                 rid = result.get_response().id
-                answers[rid] = decode_results(result.as_numpy(RESULT_JSON).reshape(-1))
+                answers[rid] = decode_answers(result.as_numpy(RESULT_JSON).reshape(-1))
                 if len(answers) == len(requests):
                     break
         except UpstreamError:

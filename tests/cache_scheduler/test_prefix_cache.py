@@ -12,6 +12,7 @@ from prefillonly import Engine, EngineConfig, InvalidRequestError
 from prefillonly.cache.block_hash import block_hashes, namespace_root
 from prefillonly.cache.index import PrefixIndex
 from prefillonly.cache.kv_pool import KVPool
+from prefillonly.cache.prefix_cache import PrefixCache
 
 B = 8  # small blocks so that short prompts span several
 
@@ -76,6 +77,23 @@ def test_second_tier_offload_and_restore_moves():
     assert [(m.src_tier, m.dst_tier) for m in moves] == [(1, 2), (2, 1)]
     assert moves[0].src_slot == moves[1].dst_slot  # b1's slot is reused after b1 was copied out
     assert idx.blocks[b"a2"].tier == 1 and idx.stats.blocks_restored == 1
+
+
+def test_pool_hidden_states_roundtrip_across_tiers_at_any_offset():
+    """A block's final hidden states travel with its K/V (offload and restore) and read back exactly
+    from any position range, across block boundaries."""
+    g = torch.Generator().manual_seed(1)
+    p1 = KVPool(2, 3, 2, B, 4, torch.bfloat16, torch.device("cpu"), hidden_size=5)
+    p2 = KVPool(2, 3, 2, B, 4, torch.bfloat16, torch.device("cpu"), hidden_size=5)
+    h = torch.randn(2 * B, 5, generator=g).bfloat16()
+    p1.write_hidden(torch.tensor([2, 0]), h)
+    p1.copy_slot(2, p2, 0); p1.copy_slot(0, p2, 1)
+    p2.copy_slot(0, p1, 1); p2.copy_slot(1, p1, 2)
+    for start, n in ((0, 2 * B), (3, B), (B - 1, 2), (B + 2, B - 2)):
+        dst = torch.zeros(n, 5).bfloat16()
+        p1.read_hidden(torch.tensor([1, 2]), start, dst)
+        assert torch.equal(dst, h[start : start + n])
+    assert KVPool.bytes_per_block(2, 2, B, 4, torch.bfloat16, 5) == KVPool.bytes_per_block(2, 2, B, 4, torch.bfloat16) + 2 * 5 * B
 
 
 def test_pool_roundtrip_is_bit_exact_across_tiers():
@@ -166,7 +184,7 @@ def test_cache_prefix_len_stops_caching_at_the_boundary(folder):
 
 def test_budget_is_never_exceeded_and_overflow_is_not_an_error(folder, reference):
     spec = reference.spec
-    block_bytes = KVPool.bytes_per_block(spec.num_layers, spec.num_kv_heads, B, spec.head_dim, torch.float32)
+    block_bytes = PrefixCache.bytes_per_block(spec, torch.float32, B)
     with make_engine(folder, cache_budget_bytes=3 * block_bytes + 100) as e:
         assert e.cache.index.capacity[1] == 3
         for i in range(6):
@@ -188,7 +206,7 @@ def test_namespaces_never_share_blocks(folder):
 
 def test_second_tier_serves_hits_after_eviction(folder, reference):
     spec = reference.spec
-    block_bytes = KVPool.bytes_per_block(spec.num_layers, spec.num_kv_heads, B, spec.head_dim, torch.float32)
+    block_bytes = PrefixCache.bytes_per_block(spec, torch.float32, B)
     with make_engine(folder, cache_budget_bytes=4 * block_bytes, cache_second_tier_bytes=8 * block_bytes) as e:
         a, b = rand_ids(4 * B + 2, seed=9), rand_ids(4 * B + 2, seed=10)
         e.score(a, ALLOWED)

@@ -421,14 +421,13 @@ def test_sim_engine_caches_exactly_as_the_engines_prefix_cache():
     import torch
 
     from prefillonly.cache.prefix_cache import PrefixCache
-    from prefillonly.cache.kv_pool import KVPool
 
     work = sim.post_rec_workload(SMALL_POST_REC, seed=3)
     reqs = list(work.requests)
     random.Random(0).shuffle(reqs)
     blocks = 30  # under one profile's blocks for some users: evictions and overflow happen
-    spec = SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=1)
-    block_bytes = KVPool.bytes_per_block(1, 1, work.block_size, 1, torch.float32)
+    spec = SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=1, hidden_size=1)
+    block_bytes = PrefixCache.bytes_per_block(spec, torch.float32, work.block_size)
     cache = PrefixCache(spec, torch.float32, torch.device("cpu"), work.block_size, blocks * block_bytes)
     clock = sim._Clock()
     engine = sim.SimEngine(0, "fcfs", sim.gpu_cost_model(), work.block_size, blocks, clock, 500.0, 1e-4, len(reqs) + 1,

@@ -155,20 +155,37 @@ def test_lm_eval_tokenization_rule(default_engine):
     assert ids_ctx == [1, 2, 3] and ids_conts == [[4], [5, 6]]
 
 
-def test_prompt_logprobs_match_transformers_and_use_the_cache_before_the_span(default_engine, hf_default):
-    prompt = "Shared profile text that the cache keeps. " * 10 + "Then the part we want scored, token by token."
+def test_prompt_logprobs_match_transformers_and_read_cached_positions_from_the_cache(default_engine, hf_default):
+    """Cold, then with the prompt's blocks cached: a span that starts inside cached blocks gets every
+    position's values from the hidden states the cache keeps (nothing recomputed), equal to cold."""
+    prompt = "Shared profile text that the cache keeps. " * 20 + "Then the part we want scored, token by token."
     ids = default_engine.encoder.encode_prompt(prompt)
     ref = hf_position_logprobs(hf_default, ids)
-    whole = default_engine.prompt_logprobs(prompt, top_k=3)
-    assert whole.start == 1 and len(whole.token_logprobs) == len(ids) - 1 and len(whole.top_k) == len(ids) - 1
+    cold = default_engine.prompt_logprobs(prompt, top_k=3, cache_namespace="span-cold")
+    assert cold.start == 1 and len(cold.token_logprobs) == len(ids) - 1 and len(cold.top_k) == len(ids) - 1
+    assert cold.cached_tokens == 0
     want = [float(ref[i - 1, ids[i]]) for i in range(1, len(ids))]
-    assert max(abs(a - b) for a, b in zip(whole.token_logprobs, want)) <= 1e-4
-    assert [t.id for t in whole.top_k[0]] == ref[0].topk(3).indices.tolist()
-    default_engine.score(prompt, [ids[-1]], cache_namespace="span")  # fills the cache with the prompt's blocks
-    start = len(ids) - 12
-    tail = default_engine.prompt_logprobs(prompt, start=start, cache_namespace="span")
-    assert 0 < tail.cached_tokens <= start - 1 and tail.start == start and tail.top_k == []
-    assert max(abs(a - b) for a, b in zip(tail.token_logprobs, want[start - 1:])) <= 1e-4
+    assert max(abs(a - b) for a, b in zip(cold.token_logprobs, want)) <= 1e-4
+    assert [t.id for t in cold.top_k[0]] == ref[0].topk(3).indices.tolist()
+    assert cold.next_top_k[0].id == int(ref[-1].argmax())
+    warm = default_engine.prompt_logprobs(prompt, top_k=3, cache_namespace="span-cold")  # the cold run kept its blocks
+    block = default_engine.config.cache_block_size
+    assert warm.cached_tokens == min((len(ids) // block) * block, len(ids) - 1) > 1
+    assert max(abs(a - b) for a, b in zip(warm.token_logprobs, cold.token_logprobs)) <= 1e-5
+    assert warm.greedy == cold.greedy and [[t.id for t in r] for r in warm.top_k] == [[t.id for t in r] for r in cold.top_k]
+    tail = default_engine.prompt_logprobs(prompt, start=block + 5, cache_namespace="span-cold")
+    assert tail.cached_tokens > tail.start and tail.top_k == []
+    assert max(abs(a - b) for a, b in zip(tail.token_logprobs, want[block + 4:])) <= 1e-4
+
+
+def test_a_scored_prompt_leaves_what_a_later_span_needs(default_engine):
+    """Blocks kept by a plain score request carry the hidden states too."""
+    prompt = "A user profile that many requests share, long enough for several blocks. " * 12
+    default_engine.score(prompt, [" Yes"], cache_namespace="span-score")
+    cold = default_engine.prompt_logprobs(prompt, cache_namespace="span-other")
+    warm = default_engine.prompt_logprobs(prompt, cache_namespace="span-score")
+    assert cold.cached_tokens == 0 and warm.cached_tokens > 0
+    assert max(abs(a - b) for a, b in zip(warm.token_logprobs, cold.token_logprobs)) <= 1e-5
 
 
 @pytest.mark.parametrize("call,match", [

@@ -219,7 +219,8 @@ def test_logprob_span_prediction_never_below_and_over_by_at_most_its_allowances(
     wide_vocab = dict(CONFIG, vocab_size=32000)
     r = probe(8192, 512, "float32", "cpu_flash", wide_vocab, "--logprob-rows", "8191", "--logprob-top-k", "5")
     parts = r["predicted_parts"]
-    assert parts["logprob_span"] > 64 * 32000 * 8, parts  # the block is counted
+    # the block is counted (less the layers' transients, freed before it runs)
+    assert parts["logprob_span"] + parts["linear"] + parts["attention"] >= 64 * 32000 * 8, parts
     detail = f"8K span: predicted {mib(r['predicted_bytes'])} (span {mib(parts['logprob_span'])}), measured {mib(r['measured_bytes'])}"
     assert r["predicted_bytes"] >= r["measured_bytes"], detail
     assert r["predicted_bytes"] - r["measured_bytes"] <= allowance(r), detail

@@ -214,6 +214,42 @@ def test_openai_sdk_one_token_completion_equals_engine(stack, engine):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
 
 
+def test_echo_logprobs_in_the_legacy_shape_equal_the_engine(stack, engine):
+    """What lm-evaluation-harness's local-completions sends for a log-likelihood: token-id prompts,
+    echo, logprobs 1, max_tokens 1; it sums token_logprobs[ctxlen:-1] and checks greedy-ness
+    against top_logprobs. Also a text prompt with logprobs 3, max_tokens 0 and a one-token prompt."""
+    ctx = engine.encoder.encode_prompt("Question: is the sky blue?\nAnswer:")
+    conts = [engine.encoder.encode_prompt(c, add_special_tokens=False) for c in (" yes", " no it is green")]
+    status, out = post(f"{stack.http_url}/v1/completions", {"model": "prefillonly", "prompt": [ctx + c for c in conts],
+                                                             "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0})
+    assert status == 200, out
+    want = engine.loglikelihood(ctx, conts)
+    for choice, cont, w in zip(out["choices"], conts, want):
+        lp = choice["logprobs"]
+        n = len(ctx) + len(cont)
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n + 1
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        span = lp["token_logprobs"][len(ctx):-1]
+        assert sum(span) == pytest.approx(w.logprob, abs=1e-4)
+        greedy = all(t == max(top.values()) for t, top in zip(span, lp["top_logprobs"][len(ctx):-1]))
+        assert greedy == w.is_greedy
+    assert out["usage"]["prompt_tokens"] == sum(len(ctx) + len(c) for c in conts) and out["usage"]["completion_tokens"] == 2
+    prompt = "Is fire hot? Answer:"
+    status, out = post(f"{stack.http_url}/v1/completions", {"model": "prefillonly", "prompt": prompt, "echo": True,
+                                                             "logprobs": 3, "max_tokens": 0})
+    assert status == 200, out
+    (first,) = out["choices"]
+    span = engine.prompt_logprobs(prompt, top_k=3)
+    assert first["text"] == prompt and first["logprobs"]["token_logprobs"][1:] == pytest.approx(span.token_logprobs, abs=1e-4)
+    assert [list(t) for t in first["logprobs"]["top_logprobs"][1:]] == [list(dict.fromkeys(x.text for x in row)) for row in span.top_k]
+    assert out["usage"]["completion_tokens"] == 0
+    status, out = post(f"{stack.http_url}/v1/completions", {"model": "prefillonly", "prompt": [[42], [42, 7]], "echo": True,
+                                                             "logprobs": 2, "max_tokens": 1})
+    assert status == 200 and len(out["choices"][0]["logprobs"]["tokens"]) == 2 and len(out["choices"][1]["logprobs"]["tokens"]) == 3, out
+    assert out["choices"][0]["logprobs"]["token_logprobs"][0] is None
+    assert out["choices"][0]["logprobs"]["token_logprobs"][1] == pytest.approx(engine.score([42], [0], top_k=1).top_k[0].logprob, abs=1e-4)
+
+
 # -- bad input -----------------------------------------------------------------------------------
 
 BAD = [
@@ -232,6 +268,12 @@ BAD = [
     ("/v1/completions", {"model": "prefillonly", "prompt": "x", "stream": True}, 400, "stream"),
     ("/v1/completions", {"model": "prefillonly", "prompt": [1] * 9000}, 400, "prompt_too_long"),
     ("/v1/completions", {"model": "prefillonly", "prompt": ""}, 400, "prompt[0] is empty"),
+    ("/v1/completions", {"model": "prefillonly", "prompt": "x", "echo": True, "max_tokens": 2}, 400, "max_tokens must be 0 or 1"),
+    ("/v1/completions", {"model": "prefillonly", "prompt": [[1, 2], [10 ** 9, 3]], "echo": True, "logprobs": 1}, 400,
+     "outside the vocabulary"),
+    ("/v1/completions", {"model": "prefillonly", "prompt": "x", "echo": True, "allowed_token_ids": [1]}, 400,
+     "allowed_token_ids does not apply with echo"),
+    ("/v1/completions", {"model": "prefillonly", "prompt": [[1, 2]] * 257, "echo": True}, 400, "too many prompts: 257"),
 ]
 
 
