@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from clients.transport import json_body, post
-from prefillonly.cache.kv_pool import KVPool
+from prefillonly.cache.prefix_cache import PrefixCache
 from prefillonly.model_spec import ModelSpec
 from prefillonly.serving.host.envoy_config import REPLICA_HEADER, USER_HEADER
 from prefillonly.serving.host.fleet import LocalFleet
@@ -44,7 +44,7 @@ PROBES = [f"probe-{i}" for i in range(100)]
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, small_served_model):
     spec = ModelSpec.from_folder(small_served_model)
-    block = KVPool.bytes_per_block(spec.num_layers, spec.num_kv_heads, BLOCK, spec.head_dim, torch.float32)
+    block = PrefixCache.bytes_per_block(spec, torch.float32, BLOCK)
     # room for two profiles per replica: a third of the 6 test users'
     repo = copy_model_repository(REPO, tmp_path_factory.mktemp("fleet") / "repo", model=small_served_model,
                                  dtype="float32", threads="1",
