@@ -142,8 +142,8 @@ def report(data: dict) -> str:
         "", *[f"- {g}" for g in gaps]])
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m perf.bench_eval_harness")
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m perf.bench_eval_harness", description=__doc__.split("\n\n")[0])
     p.add_argument("--questions", type=int, default=150)
     p.add_argument("--passage-sentences", type=int, default=25, help="12-word sentences per passage (25: ~400 tokens)")
     p.add_argument("--ppl-docs", type=int, default=8)
@@ -153,7 +153,11 @@ def main(argv=None) -> int:
     p.add_argument("--vllm-kv-gib", type=int, default=4)
     p.add_argument("--skip", default="", help="comma list of systems to leave out: ours,vllm,hf")
     p.add_argument("--no-write", action="store_true", help="print the table, leave perf/RESULTS.md alone")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OPENAI_API_KEY="unused")
     import lm_eval
