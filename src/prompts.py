@@ -19,6 +19,7 @@ class PromptEncoder:
         self.tokenizer = tokenizer  # a transformers tokenizer, or None for id-only models
         self.vocab_size = vocab_size
         self.limits = limits  # None: no size limits (tests of the encoding alone)
+        self._texts: dict[int, str] = {}  # token_text's decoded ids (at most the vocabulary)
 
     def encode_prompt(self, prompt, apply_chat_template: bool = False, what: str = "prompt", add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text/bytes/ids prompt. Items of a multi-item request are encoded with
@@ -142,9 +143,13 @@ class PromptEncoder:
             self.limits.check_text(text, what)
 
     def token_text(self, token_id: int) -> str:
+        """One token's text (decoded once per id: a logprob span names a token at every position)."""
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
+        return text
 
     def _single_token(self, text: str) -> int:
         if self.limits is not None and self.limits.max_token_bytes and len(text) > self.limits.max_token_bytes:
