@@ -121,8 +121,10 @@ def report(data: dict) -> str:
                 continue
             r = s[system][task]
             ratio = f"{r['wall_s'] / s['vllm'][task]['wall_s']:.2f}x" if system == "ours" and "vllm" in s else ""
-            rows.append([task, system, f"{r['wall_s']:.1f}", ratio, f"{r['metric']} {r['value']:.4f}",
-                         r.get("computed_tokens", ""), r.get("cached_tokens", "")])
+            counted = r.get("prompt_tokens")  # vLLM's prefix-cache counters see no prompt-logprob request
+            tokens = [f"{int(r['computed_tokens']):,}", f"{int(r['cached_tokens']):,}"] if counted else ["not counted"] * 2 \
+                if counted is not None else ["", ""]
+            rows.append([task, system, f"{r['wall_s']:.1f}", ratio, f"{r['metric']} {r['value']:.4f}", *tokens])
     gaps = []
     if "hf" in s:
         for system in ("ours", "vllm"):
