@@ -292,6 +292,7 @@ class HybridPrefillExecutor:
             out.greedy[g:h] = (ids[:, 0] == want).cpu()
             if k:
                 out.top_logprobs[g:h], out.top_ids[g:h] = values.cpu(), ids.cpu()
+            del logprobs  # before the next block's logits: two blocks alive at once would be a third more memory
         return out
 
     def _span_rows(self, ws, row_start: int, seq: Sequence, a: int, b: int) -> torch.Tensor:
