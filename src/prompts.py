@@ -19,7 +19,7 @@ class PromptEncoder:
         self.tokenizer = tokenizer  # a transformers tokenizer, or None for id-only models
         self.vocab_size = vocab_size
         self.limits = limits  # None: no size limits (tests of the encoding alone)
-        self._texts: dict[int, str] = {}  # token_text's decoded ids (at most the vocabulary)
+        self._texts = TokenTexts(tokenizer) if tokenizer is not None else None
 
     def encode_prompt(self, prompt, apply_chat_template: bool = False, what: str = "prompt", add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text/bytes/ids prompt. Items of a multi-item request are encoded with
@@ -143,13 +143,7 @@ class PromptEncoder:
             self.limits.check_text(text, what)
 
     def token_text(self, token_id: int) -> str:
-        """One token's text (decoded once per id: a logprob span names a token at every position)."""
-        if self.tokenizer is None:
-            return ""
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self._texts[token_id] = self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
-        return text
+        return self._texts(token_id) if self._texts is not None else ""
 
     def _single_token(self, text: str) -> int:
         if self.limits is not None and self.limits.max_token_bytes and len(text) > self.limits.max_token_bytes:
@@ -191,6 +185,21 @@ class PromptEncoder:
         if not 0 <= value < self.vocab_size:
             raise InvalidRequestError(f"{what} {value} is outside the vocabulary [0, {self.vocab_size})")
         return value
+
+
+class TokenTexts:
+    """One token's text as the engine reports it (no clean-up of spaces), decoded once per id: a
+    logprob span (echo) names a token at every position. Used by the engine and the frontend."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}  # at most the vocabulary
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
+        return text
 
 
 def decode_utf8(data: bytes, what: str) -> str:

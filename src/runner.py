@@ -23,7 +23,7 @@ from .prefix_io import PrefixKV
 from .request import Request
 from .result import ScoreResult
 from .scheduler import ItemsPlan, StepOutcome, StepPlan, TokenSplit
-from .scoring import build_result, continuation_score, prompt_logprobs
+from .scoring import build_result, context_choice, continuation_score, prompt_logprobs
 
 
 class PrefillRunner:
@@ -74,6 +74,7 @@ class PrefillRunner:
             items_plan.shared_inplace)
         shared_kv: PrefixKV = shared_out.captured[0]
         spans = request.item_logprobs  # log-likelihood: each item's own tokens after the first
+        context = context_choice(shared_out.logits[0]) if spans else None
         results: list[ScoreResult] = []
         for group in items_plan.groups:
             self.meter.start()
@@ -82,7 +83,7 @@ class PrefillRunner:
                                        logprob_rows=len(items[j]) - 1 if spans else 0) for j in group]),
                 self.chunk_size, items_plan.items_inplace)
             peak = self.meter.peak_growth()
-            results += [continuation_score(shared_out.logits[0], items[j], out.spans[g], len(shared), p) if spans else
+            results += [continuation_score(context, items[j], out.spans[g], len(shared), p) if spans else
                         build_result(out.logits[g], request.allowed_ids, request.top_k, self.token_text,
                                      len(shared) + len(items[j]), p, peak) for g, j in enumerate(group)]
         return StepOutcome([results], item_tokens=sum(map(len, items)))

@@ -28,14 +28,21 @@ def build_result(logits, allowed_ids, top_k, token_text, prompt_tokens, cached_t
     return ScoreResult(tokens=tokens, chosen=chosen, top_k=top, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens, peak_bytes=peak_bytes)
 
 
-def continuation_score(context_logits: torch.Tensor, continuation: list[int], span, context_tokens: int,
+def context_choice(context_logits: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(log-probabilities, argmax) after a log-likelihood request's context: computed once, read by
+    every continuation's first token (continuation_score)."""
+    logprobs = torch.log_softmax(context_logits.float(), dim=-1)
+    return logprobs, int(torch.argmax(logprobs))
+
+
+def continuation_score(context: tuple[torch.Tensor, int], continuation: list[int], span, context_tokens: int,
                        cached_tokens: int) -> ContinuationScore:
-    """A continuation's log-likelihood: its first token from the context's last logits ([vocab]),
-    the rest from its own forward's span (executor.SpanLogprobs over its rows but the last; None
-    for a one-token continuation)."""
-    first = torch.log_softmax(context_logits.float(), dim=-1)
+    """A continuation's log-likelihood: its first token from the context's log-probabilities
+    (context_choice), the rest from its own forward's span (executor.SpanLogprobs over its rows but
+    the last; None for a one-token continuation)."""
+    first, best = context
     logprobs = [float(first[continuation[0]])]
-    greedy = int(torch.argmax(first)) == continuation[0]
+    greedy = best == continuation[0]
     if span is not None:
         logprobs += span.logprobs.tolist()
         greedy = greedy and bool(span.greedy.all())
@@ -47,12 +54,18 @@ def prompt_logprobs(token_ids: list[int], span, last_logits: torch.Tensor, token
     """The prompt's per-position logprobs from its span (which covers positions S - n .. S - 1),
     and the most likely next tokens after it (as many as per position, at least the argmax)."""
     n, k = span.logprobs.shape[0], span.top_ids.shape[1]
-    top = [_top_scores(values, ids, token_text) for values, ids in zip(span.top_logprobs, span.top_ids)]
+    top = _top_scores(span.top_logprobs, span.top_ids, token_text) if k else []
     values, ids = torch.topk(torch.log_softmax(last_logits.float(), dim=-1), max(1, k))
     return PromptLogprobs(token_ids=list(token_ids), start=len(token_ids) - n, token_logprobs=span.logprobs.tolist(),
-                          greedy=span.greedy.tolist(), top_k=top if k else [], cached_tokens=cached_tokens,
+                          greedy=span.greedy.tolist(), top_k=top, cached_tokens=cached_tokens,
                           next_top_k=_top_scores(values, ids, token_text))
 
 
-def _top_scores(values: torch.Tensor, ids: torch.Tensor, token_text) -> list[TokenScore]:
-    return [TokenScore(id=int(i), text=token_text(int(i)), logprob=float(v), prob=float(torch.exp(v))) for v, i in zip(values, ids)]
+def _top_scores(values: torch.Tensor, ids: torch.Tensor, token_text) -> list:
+    """TokenScores of top-k logprobs and ids ([k], or [n, k]: one list per row), prob = exp(logprob)
+    in the tensors' dtype; each tensor turned into Python values once (a span has a row per position)."""
+    def row(lps, probs, tokens):
+        return [TokenScore(id=i, text=token_text(i), logprob=v, prob=p) for v, p, i in zip(lps, probs, tokens)]
+
+    lps, probs, tokens = values.tolist(), values.exp().tolist(), ids.tolist()
+    return row(lps, probs, tokens) if values.dim() == 1 else [row(*r) for r in zip(lps, probs, tokens)]

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError, InvalidRequestError
+from ..prompts import TokenTexts
 
 PRESETS_FILE = "scoring_presets.json"
 QUERY, DOCUMENT, INSTRUCTION = "{query}", "{document}", "{instruction}"
@@ -75,19 +76,15 @@ class TemplateTokenizer:
     def __init__(self, tokenizer, max_input_len: int):
         self.tokenizer = tokenizer
         self.max_input_len = max_input_len
-        self._texts: dict[int, str] = {}  # token_text's decoded ids (at most the vocabulary)
+        self._texts = TokenTexts(tokenizer)
 
     def encode(self, text: str, *, first: bool = False) -> list[int]:
         """Ids of `text`; special tokens of the model (BOS) only at the start of a prompt."""
         return list(self.tokenizer.encode(text, add_special_tokens=first))
 
     def token_text(self, token_id: int) -> str:
-        """One token's text, as the engine decodes it (no clean-up of spaces; once per id: echo
-        names a token at every position)."""
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self._texts[token_id] = self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
-        return text
+        """One token's text, as the engine decodes it (prompts.TokenTexts)."""
+        return self._texts(token_id)
 
     def single_token(self, label: str) -> int | None:
         ids = self.encode(label)
