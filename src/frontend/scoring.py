@@ -24,6 +24,9 @@ class Limits:
     max_documents: int = DEFAULT_MAX_ITEMS  # the engine's max_items: one query's documents in one request
     max_prompts: int = DEFAULT_MAX_PROMPTS_PER_CALL  # completions / item_first prompts per call (each its own engine request)
     max_logprobs: int = 20
+    # an echo call's answer: each prompt position's logprob and its top `logprobs` (~1 KB each while
+    # the answer is built): bounded per call, so that no call can make the frontend hold gigabytes
+    max_echo_entries: int = 1 << 20
 
 
 @dataclass
@@ -140,6 +143,11 @@ class Scoring:
         """Per prompt (token ids), its own tokens' logprobs with the top_k at each and the next
         tokens after it (a PromptLogprobs); a one-token prompt, which has no position to score, gets
         its ScoreResult with the max(1, top_k) next tokens instead."""
+        entries = sum(map(len, ids)) * (top_k + 1)
+        if entries > self.limits.max_echo_entries:
+            raise APIError(f"echo would return {entries:,} logprob entries (every prompt token, and logprobs={top_k} "
+                           f"alternatives at each), over the limit of {self.limits.max_echo_entries:,} per call; send "
+                           "fewer prompts per call or ask for fewer logprobs", param="prompt")
         longer = [p for p in ids if len(p) > 1]
         single = [p for p in ids if len(p) == 1]
         spans = await self._call(self.upstream.prompt_logprobs(longer, top_k=top_k, user=user)) if longer else []

@@ -274,6 +274,8 @@ BAD = [
     ("/v1/completions", {"model": "prefillonly", "prompt": "x", "echo": True, "allowed_token_ids": [1]}, 400,
      "allowed_token_ids does not apply with echo"),
     ("/v1/completions", {"model": "prefillonly", "prompt": [[1, 2]] * 257, "echo": True}, 400, "too many prompts: 257"),
+    ("/v1/completions", {"model": "prefillonly", "prompt": [[1] * 800] * 64, "echo": True, "logprobs": 20}, 400,
+     "echo would return 1,075,200 logprob entries"),
 ]
 
 
