@@ -118,12 +118,23 @@ class ForwardOutput:
 @dataclass
 class SpanLogprobs:
     """Per row of a sequence's logprob span (Sequence.logprob_rows): the log-probability of the
-    sequence's actual next token, whether it is the argmax, and the k most likely tokens."""
+    sequence's actual next token, whether it is the argmax, the argmax, and the k most likely tokens."""
 
     logprobs: torch.Tensor  # [n] float32
     greedy: torch.Tensor  # [n] bool
     top_logprobs: torch.Tensor  # [n, k] float32, descending
     top_ids: torch.Tensor  # [n, k] int64
+    best_logprobs: torch.Tensor  # [n] float32: the most likely token's logprob
+    best_ids: torch.Tensor  # [n] int64: the most likely token
+
+    @classmethod
+    def empty(cls, n: int, k: int) -> "SpanLogprobs":
+        return cls(torch.empty(n), torch.empty(n, dtype=torch.bool), torch.empty(n, k), torch.empty(n, k, dtype=torch.long),
+                   torch.empty(n), torch.empty(n, dtype=torch.long))
+
+    def values(self) -> torch.Tensor:
+        """[n, 3] float32: what the prefix cache keeps per position (prefix_io: span values)."""
+        return torch.stack([self.logprobs, self.best_logprobs, self.best_ids.float()], 1)
 
 
 @dataclass
@@ -216,6 +227,9 @@ class HybridPrefillExecutor:
                 sink.store_hidden(ws["hidden"][r : r + s.new_tokens], s.prefix_tokens)
         logits = self._last_logits(ws, [r + s.new_tokens - 1 for r, s in zip(batch.row_starts, seqs)])
         spans = [self._span_logprobs(ws, r, s) if s.logprob_rows else None for r, s in zip(batch.row_starts, seqs)]
+        for s, sink, span in zip(seqs, sinks, spans):
+            if sink is not None and span is not None:  # kept with the blocks: a later span there skips the LM head
+                sink.store_span(span.values(), s.prefix_tokens + s.new_tokens - 1 - s.logprob_rows)
         self.tokens_computed += plan.new_tokens
         return BatchOutput(logits=logits, captured=[c.captured if c else None for c in captures], spans=spans)
 
@@ -269,35 +283,47 @@ class HybridPrefillExecutor:
         return logits
 
     def _span_logprobs(self, ws, row_start: int, seq: Sequence) -> SpanLogprobs:
-        """The sequence's logprob span, LOGPROB_ROWS positions of logits at a time (memory.py counts
-        one such block), so any span length holds the hybrid-prefill memory bound. Positions in
-        the prefix take their hidden states from it, the rest from the workspace."""
+        """The sequence's logprob span: cached positions whose values the prefix kept (top k <= 1)
+        read them; the rest run the LM head, LOGPROB_ROWS positions of logits at a time (memory.py
+        counts one such block), so any span length holds the hybrid-prefill memory bound."""
         n, k, p = seq.logprob_rows, seq.logprob_top_k, seq.prefix_tokens
         first = p + seq.new_tokens - 1 - n  # the span's first position
         targets = seq.logprob_targets if seq.logprob_targets is not None else seq.token_ids[first - p + 1 : first - p + 1 + n]
         targets = targets.to(self.device)
-        out = SpanLogprobs(torch.empty(n), torch.empty(n, dtype=torch.bool), torch.empty(n, k), torch.empty(n, k, dtype=torch.long))
+        out = SpanLogprobs.empty(n, k)
+        todo = _read_cached_span(seq, first, targets, out)
         step = max(1, min(LOGPROB_ROWS, ws["normed"].shape[0]))
-        for g in range(0, n, step):
-            h = min(n, g + step)
+        for g in range(0, len(todo), step):
+            offsets = todo[g : g + step]
+            index = slice(offsets[0], offsets[-1] + 1) if offsets[-1] - offsets[0] + 1 == len(offsets) else torch.tensor(offsets)
             # one pass each: the log-softmax (a new tensor: the logits are dropped at once), then the
             # best k (max for k <= 1: a third of topk's time), whose first is the argmax
-            logprobs = torch.log_softmax(self._lm_head(ws, self._span_rows(ws, row_start, seq, first + g, first + h)), -1)
-            want = targets[g:h]
-            out.logprobs[g:h] = logprobs.gather(1, want[:, None])[:, 0].cpu()
+            logprobs = torch.log_softmax(self._lm_head(ws, self._span_rows(ws, row_start, seq, first, offsets)), -1)
+            want = targets[index]
+            out.logprobs[index] = logprobs.gather(1, want[:, None])[:, 0].cpu()
             if k > 1:
                 values, ids = logprobs.topk(k, -1)
             else:
                 values, ids = (t[:, None] for t in logprobs.max(-1))
-            out.greedy[g:h] = (ids[:, 0] == want).cpu()
+            out.best_logprobs[index], out.best_ids[index] = values[:, 0].cpu(), ids[:, 0].cpu()
             if k:
-                out.top_logprobs[g:h], out.top_ids[g:h] = values.cpu(), ids.cpu()
+                out.top_logprobs[index], out.top_ids[index] = values.cpu(), ids.cpu()
             del logprobs  # before the next block's logits: two blocks alive at once would be a third more memory
+        out.greedy = out.best_ids == targets.cpu()
         return out
 
-    def _span_rows(self, ws, row_start: int, seq: Sequence, a: int, b: int) -> torch.Tensor:
-        """[b - a, hidden] final hidden states of positions [a, b): a view of the workspace's rows,
-        or (positions in the prefix) a block gathered from the prefix's source."""
+    def _span_rows(self, ws, row_start: int, seq: Sequence, first: int, offsets: list[int]) -> torch.Tensor:
+        """[len(offsets), hidden] final hidden states of span positions first + offsets (ascending):
+        each contiguous run a view of the workspace's rows or, in the prefix, gathered from its source."""
+        runs, a = [], 0
+        for i in range(1, len(offsets) + 1):
+            if i == len(offsets) or offsets[i] != offsets[i - 1] + 1:
+                runs.append(self._position_rows(ws, row_start, seq, first + offsets[a], first + offsets[i - 1] + 1))
+                a = i
+        return runs[0] if len(runs) == 1 else torch.cat(runs)
+
+    def _position_rows(self, ws, row_start: int, seq: Sequence, a: int, b: int) -> torch.Tensor:
+        """[b - a, hidden] final hidden states of positions [a, b)."""
         p = seq.prefix_tokens
         if a >= p:
             return ws["hidden"][row_start + a - p : row_start + b - p]
@@ -346,3 +372,20 @@ class HybridPrefillExecutor:
         if layer.mlp_out_norm is not None:
             self.ops.rms_norm_into(down, down, layer.mlp_out_norm, spec.rms_norm_eps, scratch)
         h.add_(down)
+
+
+def _read_cached_span(seq: Sequence, first: int, targets: torch.Tensor, out: SpanLogprobs) -> list[int]:
+    """Fill `out` at the span's positions whose values the prefix kept (only the best token is kept:
+    top k <= 1 only); the span offsets left for the LM head, ascending."""
+    n = seq.logprob_rows
+    m = min(n, seq.prefix_tokens - first) if seq.logprob_top_k <= 1 else 0
+    cached = seq.prefix.span_values(first, m) if m > 0 else None
+    if cached is None:
+        return list(range(n))
+    cached = cached.cpu()
+    known = ~torch.isnan(cached[:, 0])
+    idx = known.nonzero()[:, 0]
+    out.logprobs[idx], out.best_logprobs[idx], out.best_ids[idx] = cached[idx, 0], cached[idx, 1], cached[idx, 2].long()
+    if seq.logprob_top_k:
+        out.top_logprobs[idx, 0], out.top_ids[idx, 0] = out.best_logprobs[idx], out.best_ids[idx]
+    return (~known).nonzero()[:, 0].tolist() + list(range(m, n))

@@ -120,11 +120,12 @@ def _span_bytes(spec: ModelSpec, members: list[tuple[int, int]], spans: list[tup
     """The logprob spans' part: one block (its rows' normed states in the model dtype, the rows
     gathered from the prefix cache where the span starts inside it, their logits, which the float32
     cast or the log-sum-exp's temporary doubles: 8 bytes per logit in either dtype) and every row's
-    outputs (its logprob, greedy flag and top-k values and ids)."""
+    outputs (its logprob, greedy flag, best token's logprob and id, top-k values and ids, and the
+    3 float32 values a prefix cache keeps, built twice on their way into its blocks)."""
     if not any(n for n, _ in spans):
         return 0
     block = min(LOGPROB_ROWS, chunk, max(n for n, _ in spans))
-    outputs = sum(n * (4 + 1 + k * (4 + 8)) for n, k in spans)
+    outputs = sum(n * (4 + 1 + (4 + 8) + k * (4 + 8) + 2 * 12) for n, k in spans)
     into_prefix = any(n >= new for (n, _), (new, _) in zip(spans, members))  # rows gathered from the cache
     # per row: 8 bytes a logit, its normed state and (a span over cached positions) the gathered one
     return (block * (8 * spec.vocab_size + (2 if into_prefix else 1) * e * spec.hidden_size) + outputs

@@ -2,8 +2,10 @@
 
 The executor asks a *source* to fill the first P positions of each layer's K/V buffers
 (cached prefix) and offers each layer's freshly computed K/V, and after the last layer the new
-positions' final hidden states, to a *sink* (blocks to keep); a logprob span over prefix
-positions reads their hidden states from the source.
+positions' final hidden states and a logprob span's values, to a *sink* (blocks to keep); a
+logprob span over prefix positions reads their hidden states, and where kept their span values
+(each position's own next token's logprob, the best token's logprob and id: [n, 3] float32, NaN
+where unknown), from the source.
 PrefixKV is the plain in-memory form (a list of per-layer tensors), used for multi-item
 scoring's shared prompt and in tests; the prefix cache (cache/prefix_cache.py) implements
 pool-backed ones.
@@ -31,6 +33,10 @@ class PrefixSource(Protocol):
         """dst [n, hidden] = the final hidden states of prefix positions [start, start + n) (a
         logprob span over cached positions); a source without them raises."""
 
+    def span_values(self, start: int, n: int) -> torch.Tensor | None:
+        """[n, 3] float32 span values of prefix positions [start, start + n), NaN where unknown;
+        None if this source keeps none."""
+
 
 class KVSink(Protocol):
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -38,6 +44,9 @@ class KVSink(Protocol):
 
     def store_hidden(self, rows: torch.Tensor, first_position: int) -> None:
         """Take what it keeps of the final hidden states of positions [first_position, + len(rows))."""
+
+    def store_span(self, values: torch.Tensor, first_position: int) -> None:
+        """Take what it keeps of a logprob span's values ([n, 3]) at positions [first_position, + n)."""
 
 
 @dataclass
@@ -59,6 +68,9 @@ class PrefixKV:
     def hidden(self, start: int, dst: torch.Tensor) -> None:
         raise ValueError("a captured prefix keeps K/V only: a logprob span must start after it")
 
+    def span_values(self, start: int, n: int) -> None:
+        return None
+
 
 @dataclass
 class CaptureSink:
@@ -75,6 +87,9 @@ class CaptureSink:
     def store_hidden(self, rows: torch.Tensor, first_position: int) -> None:
         pass  # a capture is K/V for items that follow it
 
+    def store_span(self, values: torch.Tensor, first_position: int) -> None:
+        pass
+
 
 class Sinks:
     """Several sinks behind one (e.g. the prefix cache's and a multi-item capture)."""
@@ -89,3 +104,7 @@ class Sinks:
     def store_hidden(self, rows: torch.Tensor, first_position: int) -> None:
         for s in self.sinks:
             s.store_hidden(rows, first_position)
+
+    def store_span(self, values: torch.Tensor, first_position: int) -> None:
+        for s in self.sinks:
+            s.store_span(values, first_position)

@@ -5,12 +5,19 @@ gathered per layer (index_select over its slots) straight into the executor's K/
 so only one layer's prefix is ever materialised outside the pool. h: [slots, block_size, hidden]
 (hidden_size > 0): each position's final hidden state (the residual stream after the last layer,
 before the final norm), so that a logprob span starting inside cached blocks needs no recompute:
-the LM head runs on these rows.
+the LM head runs on these rows. span: [slots, block_size, 3] float32 (with h): where a logprob
+span computed them, each position's own next token's logprob, its most likely token's logprob and
+that token's id (exact as a float below 2**24), so a span over cached positions skips the LM head
+there; NaN where unknown. A block's last position keeps NaN: its next token is the next block's
+first, which the block's hash does not fix (a later prompt may follow it with another).
 """
 
 from __future__ import annotations
 
 import torch
+
+SPAN_VALUES = 3  # per position: own next token's logprob, the best token's logprob, the best token's id
+SPAN_VALUE_BYTES = SPAN_VALUES * 4  # float32 each
 
 
 class KVPool:
@@ -22,12 +29,15 @@ class KVPool:
         self.v = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
         self.h = torch.empty((slots, block_size, hidden_size), dtype=dtype, device=device, pin_memory=pin_memory) \
             if hidden_size else None
+        self.span = torch.full((slots, block_size, SPAN_VALUES), float("nan"), device=device, pin_memory=pin_memory) \
+            if hidden_size else None
 
     @staticmethod
     def bytes_per_block(num_layers: int, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype,
                         hidden_size: int = 0) -> int:
         e = torch.tensor([], dtype=dtype).element_size()
-        return (2 * num_layers * kv_heads * head_dim + hidden_size) * block_size * e
+        span = SPAN_VALUE_BYTES if hidden_size else 0
+        return ((2 * num_layers * kv_heads * head_dim + hidden_size) * e + span) * block_size
 
     def read(self, layer: int, slots: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor) -> None:
         """k_dst, v_dst: [kv_heads, n, head_dim] with n <= len(slots) * block_size."""
@@ -55,8 +65,26 @@ class KVPool:
             at += take
 
     def write_hidden(self, slots: torch.Tensor, src: torch.Tensor) -> None:
-        """src: [len(slots) * block_size, hidden], the blocks' positions in order."""
+        """src: [len(slots) * block_size, hidden], the blocks' positions in order. The blocks' span
+        values become unknown (a slot's previous block may have left some)."""
         self.h.index_copy_(0, slots, src.reshape(slots.shape[0], self.block_size, -1))
+        self.span.index_fill_(0, slots, float("nan"))
+
+    def read_span(self, slots: torch.Tensor, start: int, n: int) -> torch.Tensor:
+        """[n, SPAN_VALUES] span values of positions [start, start + n) of the prefix in `slots`."""
+        b = self.block_size
+        first, last = start // b, (start + n - 1) // b
+        rows = self.span.index_select(0, slots[first : last + 1]).reshape(-1, SPAN_VALUES)
+        return rows[start - first * b : start - first * b + n]
+
+    def write_span(self, slots: torch.Tensor, start: int, values: torch.Tensor) -> None:
+        """values [n, SPAN_VALUES] of positions [start, start + n) counted from the first slot's first
+        position; every block's last position is left unknown (see the module docstring)."""
+        b = self.block_size
+        flat = self.span.new_full((slots.shape[0] * b, SPAN_VALUES), float("nan"))
+        flat[start : start + values.shape[0]] = values.to(flat.device)
+        flat[b - 1 :: b] = float("nan")
+        self.span.index_copy_(0, slots, flat.view(-1, b, SPAN_VALUES))
 
     def copy_slot(self, src_slot: int, dst: "KVPool", dst_slot: int) -> None:
         """One block, every layer (and its hidden states), to a slot of `dst` (another tier); async where possible."""
@@ -65,3 +93,4 @@ class KVPool:
         dst.v[:, dst_slot].copy_(self.v[:, src_slot], non_blocking=non_blocking)
         if self.h is not None and dst.h is not None:
             dst.h[dst_slot].copy_(self.h[src_slot], non_blocking=non_blocking)
+            dst.span[dst_slot].copy_(self.span[src_slot], non_blocking=non_blocking)

@@ -5,8 +5,9 @@ Per request:
     executor.forward(ids[ticket.cached_tokens:], prefix=ticket.source, sink=ticket.sink)
     cache.commit(ticket)  (or cache.abort(ticket) if the forward failed)
 
-A block keeps its positions' K/V of every layer and their final hidden states (a logprob span
-over cached positions runs the LM head on those). Only whole blocks inside the keep boundary (`keep_len`: by default the whole prompt, or the
+A block keeps its positions' K/V of every layer, their final hidden states (a logprob span
+over cached positions runs the LM head on those) and, where a span computed them, their own next
+token's logprob and the best token (a later span with top k <= 1 reads these instead). Only whole blocks inside the keep boundary (`keep_len`: by default the whole prompt, or the
 request's `cache_prefix_len`) are written to the pool; every other token's K/V lives only in
 the executor's per-layer buffers (suffix discard). Blocks that find no room are dropped
 (overflow is never an error). At least one token is always computed, so a fully cached prompt
@@ -48,6 +49,9 @@ class _PoolSource:
     def hidden(self, start: int, dst: torch.Tensor) -> None:
         self.pool.read_hidden(self.slots, start, dst)
 
+    def span_values(self, start: int, n: int) -> torch.Tensor:
+        return self.pool.read_span(self.slots, start, n)
+
 
 class _PoolSink:
     """A KVSink that writes positions [start, start + n_blocks * B) of each layer into the reserved slots."""
@@ -62,6 +66,12 @@ class _PoolSink:
     def store_hidden(self, rows: torch.Tensor, first_position: int) -> None:
         """rows: the final hidden states of positions [first_position, first_position + len(rows))."""
         self.pool.write_hidden(self.slots, rows[self.start - first_position : self.end - first_position])
+
+    def store_span(self, values: torch.Tensor, first_position: int) -> None:
+        """values [n, SPAN_VALUES]: a logprob span's values at positions [first_position, + n)."""
+        a, b = max(first_position, self.start), min(first_position + values.shape[0], self.end)
+        if a < b:
+            self.pool.write_span(self.slots, a - self.start, values[a - first_position : b - first_position])
 
 
 class PrefixCache:
@@ -84,8 +94,8 @@ class PrefixCache:
 
     @staticmethod
     def bytes_per_block(spec, dtype: torch.dtype, block_size: int) -> int:
-        """One block's bytes: its positions' K/V of every layer and their final hidden states (what a
-        logprob span over cached positions reads). Budgets are counted in these."""
+        """One block's bytes: its positions' K/V of every layer, their final hidden states and span
+        values (what a logprob span over cached positions reads). Budgets are counted in these."""
         return KVPool.bytes_per_block(spec.num_layers, spec.num_kv_heads, block_size, spec.head_dim, dtype, spec.hidden_size)
 
     @property

@@ -93,7 +93,30 @@ def test_pool_hidden_states_roundtrip_across_tiers_at_any_offset():
         dst = torch.zeros(n, 5).bfloat16()
         p1.read_hidden(torch.tensor([1, 2]), start, dst)
         assert torch.equal(dst, h[start : start + n])
-    assert KVPool.bytes_per_block(2, 2, B, 4, torch.bfloat16, 5) == KVPool.bytes_per_block(2, 2, B, 4, torch.bfloat16) + 2 * 5 * B
+    # the hidden states (bf16) and the span values (3 float32) per position
+    assert KVPool.bytes_per_block(2, 2, B, 4, torch.bfloat16, 5) == KVPool.bytes_per_block(2, 2, B, 4, torch.bfloat16) + (2 * 5 + 12) * B
+
+
+def test_pool_span_values_travel_with_the_block_and_never_claim_a_block_s_last_position():
+    """Span values written at any offset read back exactly after an offload and a restore; a block's
+    last position, positions never written and a slot rewritten by a later block read NaN."""
+    g = torch.Generator().manual_seed(2)
+    p1 = KVPool(2, 3, 2, B, 4, torch.float32, torch.device("cpu"), hidden_size=5)
+    p2 = KVPool(2, 3, 2, B, 4, torch.float32, torch.device("cpu"), hidden_size=5)
+    slots = torch.tensor([2, 0])
+    p1.write_hidden(slots, torch.randn(2 * B, 5, generator=g))
+    values = torch.randn(2 * B - 3, 3, generator=g)
+    values[:, 2] = torch.randint(0, 49152, (2 * B - 3,), generator=g).float()
+    p1.write_span(slots, 3, values)  # positions [3, 2B) of the two blocks
+    p1.copy_slot(2, p2, 0); p1.copy_slot(0, p2, 1)
+    p2.copy_slot(0, p1, 1); p2.copy_slot(1, p1, 2)
+    got = p1.read_span(torch.tensor([1, 2]), 0, 2 * B)
+    expect = torch.cat([torch.full((3, 3), float("nan")), values])
+    expect[B - 1 :: B] = float("nan")
+    assert torch.equal(got.isnan(), expect.isnan()) and torch.equal(got.nan_to_num(), expect.nan_to_num())
+    assert torch.equal(p1.read_span(torch.tensor([1, 2]), B - 2, 4).nan_to_num(), expect[B - 2 : B + 2].nan_to_num())
+    p1.write_hidden(torch.tensor([1]), torch.randn(B, 5, generator=g))  # another block takes slot 1
+    assert p1.read_span(torch.tensor([1]), 0, B).isnan().all()
 
 
 def test_pool_roundtrip_is_bit_exact_across_tiers():

@@ -188,6 +188,43 @@ def test_a_scored_prompt_leaves_what_a_later_span_needs(default_engine):
     assert max(abs(a - b) for a, b in zip(warm.token_logprobs, cold.token_logprobs)) <= 1e-5
 
 
+def test_cached_positions_read_their_kept_values_and_skip_the_lm_head(default_engine, hf_default, monkeypatch):
+    """A span with top k <= 1 over cached blocks reads each position's kept logprob and best token
+    (the LM head runs only on the blocks' last positions, whose next token the block does not fix,
+    and on the computed ones); a second prompt that shares the blocks but follows them with other
+    tokens gets its own values at the boundary, equal to its cold run and to transformers."""
+    block = default_engine.config.cache_block_size
+    vocab = default_engine.spec.vocab_size
+    shared = _random_ids(vocab, 2 * block, 11)
+    first, second = shared + _random_ids(vocab, 9, 12), shared + _random_ids(vocab, 13, 13)
+    rows = []
+    real = default_engine.executor._lm_head
+    monkeypatch.setattr(default_engine.executor, "_lm_head", lambda ws, r: rows.append(r.shape[0]) or real(ws, r))
+    kept = default_engine.prompt_logprobs(first, top_k=1, cache_namespace="span-values")
+    assert sum(rows) == len(first) - 1 + 1  # cold: every span position and the last position's logits
+    cold = default_engine.prompt_logprobs(second, top_k=1, cache_namespace="span-values-cold")
+    rows.clear()
+    warm = default_engine.prompt_logprobs(second, top_k=1, cache_namespace="span-values")
+    assert warm.cached_tokens == 2 * block
+    assert sum(rows) == 2 + (len(second) - 1 - 2 * block) + 1  # two block ends, the computed positions, the last
+    ref = hf_position_logprobs(hf_default, second)
+    want = [float(ref[i - 1, second[i]]) for i in range(1, len(second))]
+    assert max(abs(a - b) for a, b in zip(warm.token_logprobs, want)) <= 1e-4
+    assert max(abs(a - b) for a, b in zip(warm.token_logprobs, cold.token_logprobs)) <= 1e-5
+    assert warm.greedy == cold.greedy and [[t.id for t in r] for r in warm.top_k] == [[t.id for t in r] for r in cold.top_k]
+    best = [float(ref[i - 1].max()) for i in range(1, len(second))]
+    assert max(abs(r[0].logprob - b) for r, b in zip(warm.top_k, best)) <= 1e-4
+    # Positions inside the blocks (not a block's last) are read back, so they are the first run's values bit
+    # for bit; a recompute would differ in the last bits (other GEMM shapes).
+    read = [i for i in range(2 * block - 1) if (i + 1) % block]
+    assert [warm.token_logprobs[i] for i in read] == [kept.token_logprobs[i] for i in read]
+    assert [warm.top_k[i][0].logprob for i in read] == [kept.top_k[i][0].logprob for i in read]
+    rows.clear()
+    no_top = default_engine.prompt_logprobs(second, start=5, cache_namespace="span-values")  # top k 0 reads them too
+    assert sum(rows) == 2 + (len(second) - 1 - 2 * block) + 1
+    assert no_top.token_logprobs == warm.token_logprobs[4:] and no_top.greedy == warm.greedy[4:]
+
+
 @pytest.mark.parametrize("call,match", [
     (lambda e: e.prompt_logprobs("Hello there friend", start=0), "start must be an integer in"),
     (lambda e: e.prompt_logprobs("Hello there friend", start=99), "start must be an integer in"),
