@@ -74,7 +74,7 @@ def measure(args) -> dict:
     measured = meter.peak_growth()
     chunk = args.chunk_size or None
     members = [(len(part), 0) for part in split_members(ids, args.members)]
-    spans = [(args.logprob_rows, args.logprob_top_k)] if args.logprob_rows else None
+    spans = member_spans(ids, args) if args.logprob_rows else None
     parts = (batch_peak_components(spec, members, chunk, args.kernels, inplace_attention=args.inplace_attention,
                                    logprob_spans=spans)
              if args.system == "prefillonly" else None)
@@ -159,14 +159,18 @@ def _prefillonly_runner(args, spec, dtype, device):
     args.linear = resolve_linear_backend(args.linear_backend, device, dtype, weights.layers[0].projections())
     args.kernels = KernelBackend(device, dtype, spec.head_dim, args.backend, args.linear)  # what the prediction counts by too
     executor = HybridPrefillExecutor(spec, weights, args.kernels)
-    if args.members > 1:
-        return lambda ids: executor.forward_batch(ForwardBatch([Sequence(x) for x in split_members(ids, args.members)]),
-                                                  args.chunk_size or None, args.inplace_attention)
-    if args.logprob_rows:  # a logprob span over the last rows (the warm-up's shorter prompts: all but their last)
+    if args.members > 1 or args.logprob_rows:  # each member with a logprob span over its last rows (at most all but its last)
         return lambda ids: executor.forward_batch(
-            ForwardBatch([Sequence(ids, logprob_rows=min(args.logprob_rows, len(ids) - 1), logprob_top_k=args.logprob_top_k)]),
+            ForwardBatch([Sequence(x, logprob_rows=rows, logprob_top_k=k) for x, (rows, k) in
+                          zip(split_members(ids, args.members), member_spans(ids, args))]),
             args.chunk_size or None, args.inplace_attention)
     return lambda ids: executor.forward(ids, args.chunk_size or None, inplace_attention=args.inplace_attention)
+
+
+def member_spans(ids: torch.Tensor, args) -> list[tuple[int, int]]:
+    """Per member of split_members(ids, args.members): its logprob span's (rows, top k)."""
+    return [(min(args.logprob_rows, len(x) - 1), args.logprob_top_k if args.logprob_rows else 0)
+            for x in split_members(ids, args.members)]
 
 
 def _transformers_runner(args, spec, dtype):
@@ -199,7 +203,7 @@ def main(argv=None) -> int:
     p.add_argument("--attention-backend", default="auto", choices=BACKENDS, help="attention backend (auto: as the engine picks)")
     p.add_argument("--linear-backend", default="auto", choices=LINEAR_BACKENDS, help="linear backend (auto: as the engine picks)")
     p.add_argument("--members", type=int, default=1, help="run the tokens as one step of this many sequences (prefillonly)")
-    p.add_argument("--logprob-rows", type=int, default=0, help="also a logprob span over this many rows before the last (prefillonly, one member)")
+    p.add_argument("--logprob-rows", type=int, default=0, help="also a logprob span over this many rows before the last (prefillonly; each member its own)")
     p.add_argument("--logprob-top-k", type=int, default=0, help="top tokens per row of that span")
     args = p.parse_args(argv)
     args.linear = None  # resolved with the weights (prefillonly)

@@ -38,7 +38,7 @@ class Request:
     namespace: str | None = None  # cache hits never cross namespaces
     item_ids: list[list[int]] | None = None  # multi-item: each item is scored as a suffix of token_ids
     # a logprob span: the prompt's own tokens' log-probabilities at its last `logprob_rows` positions
-    # (each given the tokens before it), with the top `logprob_top_k` tokens there; runs alone
+    # (each given the tokens before it), with the top `logprob_top_k` tokens there
     logprob_rows: int = 0
     logprob_top_k: int = 0
     item_logprobs: bool = False  # multi-item log-likelihood: each item's tokens' logprobs (ContinuationScore)
@@ -76,8 +76,9 @@ class Request:
     @property
     def runs_alone(self) -> bool:
         """A multi-item request is a step of its own: its shared prompt first, then its items
-        batched over the shared K/V; so is one with a logprob span (its memory is planned alone)."""
-        return self.item_ids is not None or self.logprob_rows > 0
+        batched over the shared K/V. (A logprob span shares a step: the step's memory check counts
+        each member's span.)"""
+        return self.item_ids is not None
 
     def start(self) -> bool:
         """The worker picked it: its Future runs (False: it was cancelled first)."""

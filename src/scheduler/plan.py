@@ -45,7 +45,7 @@ class Schedulable(Protocol):
     kept_blocks: int  # leading blocks of block_hashes the request will keep in the cache
     runs_alone: bool  # never batched with other requests (multi-item)
     item_tokens: list[int] | None  # a multi-item request's item lengths (None: a plain prompt)
-    logprob_rows: int  # rows of the prompt's logprob span (0: none; a request with one runs alone)
+    logprob_rows: int  # rows of the prompt's logprob span (0: none)
     logprob_top_k: int  # top tokens per row of that span
     item_logprobs: bool  # a multi-item request wants each item's own tokens' logprobs (a span of len - 1 rows)
     priority: int
@@ -107,8 +107,9 @@ class StepBudget:
     tokens: int
     memory: StepMemory | None = None
 
-    def admits(self, shape: list[TokenSplit], captured: int = 0, inplace: bool = False) -> bool:
-        return sum(s.uncached for s in shape) <= self.tokens and self.fits_memory(shape, captured, inplace)
+    def admits(self, shape: list[TokenSplit], captured: int = 0, inplace: bool = False,
+               logprob_spans: list[tuple[int, int]] | None = None) -> bool:
+        return sum(s.uncached for s in shape) <= self.tokens and self.fits_memory(shape, captured, inplace, logprob_spans)
 
     def fits_memory(self, shape: list[TokenSplit], captured: int = 0, inplace: bool = False,
                     logprob_spans: list[tuple[int, int]] | None = None) -> bool:
@@ -160,6 +161,15 @@ class StepPlan:
     @property
     def tokens(self) -> int:
         return sum(m.split.uncached for m in self.members)
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """Per member, its logprob span's (rows, top k): what the step's memory check counts."""
+        return [span_of(m.request) for m in self.members]
+
+
+def span_of(req: Schedulable) -> tuple[int, int]:
+    return req.logprob_rows, req.logprob_top_k
 
 
 @dataclass

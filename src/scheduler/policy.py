@@ -40,7 +40,7 @@ from ..stats import EngineCounters
 from .forward_plan import attention_in_place, item_modes, plan_items
 from .groups import group_costs
 from .jct import JctEstimator
-from .plan import Answer, Schedulable, StepBudget, StepMember, StepOutcome, StepPlan, TokenSplit
+from .plan import Answer, Schedulable, StepBudget, StepMember, StepOutcome, StepPlan, TokenSplit, span_of
 from .prefix_view import NoPrefixCache, PrefixView
 
 POLICIES = ("fcfs", "sjf", "csjf", "csjf-independent")
@@ -187,7 +187,7 @@ class Scheduler:
         first = order[0]
         self._admit(first, plan)
         computing = set()  # the first block each member computes and keeps
-        if not first.runs_alone and budget.admits(plan.shape):
+        if not first.runs_alone and budget.admits(plan.shape, logprob_spans=plan.spans):
             self._note_computed(plan.members[0], computing)
             for req in order[1:]:
                 if req.priority != first.priority or plan.tokens >= budget.tokens:
@@ -197,10 +197,10 @@ class Scheduler:
                 # the estimate first: pinning reserves the blocks to keep, which may evict others'
                 # blocks for good, so only a candidate that fits as estimated is pinned (the real
                 # split differs only when a tier-2 restore finds no room)
-                if not budget.admits(plan.shape + [self.split(req)]):
+                if not budget.admits(plan.shape + [self.split(req)], logprob_spans=plan.spans + [span_of(req)]):
                     continue
                 member = self._admit(req, plan)
-                if not budget.admits(plan.shape):
+                if not budget.admits(plan.shape, logprob_spans=plan.spans):
                     self._release(plan, member)
                     continue
                 self._note_computed(member, computing)
@@ -225,14 +225,14 @@ class Scheduler:
         if req.item_tokens is not None:
             item_modes(self.budget, req.cache_tokens, 0, req.item_tokens, req.item_logprobs)
         else:
-            attention_in_place(self.budget, [TokenSplit(req.prompt_tokens, 0)], logprob_spans=[(req.logprob_rows, req.logprob_top_k)])
+            attention_in_place(self.budget, [TokenSplit(req.prompt_tokens, 0)], logprob_spans=[span_of(req)])
 
     def _plan_forward(self, req: Schedulable, cached: int):
         """(attention in place, ItemsPlan or None) for `req` run alone with `cached` tokens read."""
         if req.item_tokens is not None:
             return False, plan_items(self.budget, req.cache_tokens, cached, req.item_tokens, req.item_logprobs)
         return attention_in_place(self.budget, [TokenSplit(req.prompt_tokens - cached, cached)],
-                                  logprob_spans=[(req.logprob_rows, req.logprob_top_k)]), None
+                                  logprob_spans=[span_of(req)]), None
 
     def _refuse(self, plan: StepPlan, req: Schedulable, error: PrefillOnlyError, started: bool = False) -> None:
         if started or req.start():

@@ -338,12 +338,14 @@ class StepRecorder:
         self.engine, self.runner = engine, engine.runner
         self.release, self.started = threading.Event(), threading.Event()
         self.steps = []  # per step: [(uncached, cached, first computed block, keeps it)]
+        self.spans = []  # per step: its members' logprob spans (rows, top k)
         self._execute = engine.runner.execute
         engine.runner.execute = self.execute
 
     def execute(self, plan):
         self.steps.append([(m.split.uncached, m.split.cached, m.ticket.new[0].hash if m.ticket and m.ticket.new else None)
                            for m in plan.members])
+        self.spans.append(plan.spans)
         if len(self.steps) == 1:
             self.started.set()
             self.release.wait(30)
@@ -390,6 +392,40 @@ def test_engine_batches_and_matches_unbatched_results(family_folders):
     for user in range(4):
         cached = sorted(results[i].cached_tokens for i, (u, _) in enumerate(prompts) if u == user)
         assert cached[1:] == [len(profiles[user]) // 16 * 16] * 2, (user, cached)
+
+
+def test_logprob_spans_share_a_step_and_match_their_lone_runs(family_folders):
+    """Prompt-logprob requests (top k 0, 1 and 3; some over a profile another request cached) batch
+    with each other and with plain requests; each answer equals its run alone, and every batched
+    step fits the memory check with its members' spans counted."""
+    folder = family_folders["mistral_gqa_linear_rope"]
+    rng = random.Random(4)
+    profile = [rng.randrange(300) for _ in range(70)]
+    prompts = [profile + [rng.randrange(300) for _ in range(rng.randint(2, 30))] for _ in range(6)]
+    prompts += [[rng.randrange(300) for _ in range(n)] for n in (2, 45, 130)]
+    asks = [dict(start=rng.randint(1, len(p) - 1), top_k=rng.choice([0, 1, 3])) for p in prompts]
+    with _engine(folder, max_batch_tokens=1) as plain:
+        plain.score(profile, [5])  # the profile cached (in the batched run the first request caches it)
+        reference = [plain.prompt_logprobs(p, **a) for p, a in zip(prompts, asks)]
+        score_ref = plain.score(prompts[0], [5, 17])
+    with _engine(folder, max_batch_tokens=600) as engine:
+        rec = StepRecorder(engine)
+        first = engine.submit(profile, [5])
+        assert rec.started.wait(30)
+        futures = [engine.submit_prompt_logprobs(p, **a) for p, a in zip(prompts, asks)]
+        scored = engine.submit(prompts[0], [5, 17])
+        rec.release.set()
+        results = [f.result(60) for f in futures]
+        first.result(30)
+        assert [t.logprob for t in scored.result(30).tokens] == pytest.approx([t.logprob for t in score_ref.tokens], abs=FP32_TOL)
+    assert any(len(s) > 1 and any(rows for rows, _ in s) for s in rec.spans), rec.spans  # spans really batched
+    for got, want in zip(results, reference):
+        assert got.start == want.start and got.greedy == want.greedy
+        assert got.token_logprobs == pytest.approx(want.token_logprobs, abs=FP32_TOL)
+        assert [[t.id for t in r] for r in got.top_k] == [[t.id for t in r] for r in want.top_k]
+    for members, spans in zip(rec.steps, rec.spans):
+        if len(members) > 1:
+            assert engine.scheduler.budget.fits_memory([TokenSplit(u, c) for u, c, _ in members], logprob_spans=spans)
 
 
 def test_a_profile_cached_by_one_step_moves_its_next_request_forward(family_folders):

@@ -155,6 +155,17 @@ def test_batched_step_prediction_never_below_and_over_by_at_most_its_allowances(
     assert r["predicted_bytes"] - r["measured_bytes"] <= allowance(r), detail
 
 
+def test_batched_logprob_spans_prediction_never_below_and_over_by_at_most_its_allowances():
+    """A step of 12 sequences, each with a logprob span over all its rows but its last: the spans
+    run one after another (one LM-head block alive at a time) and every member's outputs stay."""
+    wide_vocab = dict(CONFIG, vocab_size=32000)
+    r = probe(8192, 512, "float32", "cpu_flash", wide_vocab, "--members", "12", "--logprob-rows", "8191", "--logprob-top-k", "5")
+    assert r["members"] == 12, r
+    detail = f"12 spans, 8192 tokens: predicted {mib(r['predicted_bytes'])} (span {mib(r['predicted_parts']['logprob_span'])}), measured {mib(r['measured_bytes'])}"
+    assert r["predicted_bytes"] >= r["measured_bytes"], detail
+    assert r["predicted_bytes"] - r["measured_bytes"] <= allowance(r), detail
+
+
 def test_sdpa_prediction_never_below():
     tokens = 16384
     r = probe(tokens, 512, "bfloat16", "sdpa")
