@@ -221,7 +221,13 @@ class HybridPrefillExecutor:
             for (c0, c1), chunk_pieces in zip(chunks, layer_pieces):
                 self._mlp_chunk(layer, ws, attn, c0, c1, chunk_pieces)
             del attn
+        self.tokens_computed += plan.new_tokens
+        return self._batch_outputs(ws, batch, sinks, captures)
 
+    def _batch_outputs(self, ws: dict, batch: ForwardBatch, sinks: list, captures: list) -> BatchOutput:
+        """After the last layer: each sequence's last-position logits and logprob span, and what the
+        prefix cache keeps of them (final hidden states, span values) for a later span over its blocks."""
+        seqs = batch.sequences
         for r, s, sink in zip(batch.row_starts, seqs, sinks):
             if sink is not None:  # the kept blocks' final hidden states (a later span over them reads these)
                 sink.store_hidden(ws["hidden"][r : r + s.new_tokens], s.prefix_tokens)
@@ -230,7 +236,6 @@ class HybridPrefillExecutor:
         for s, sink, span in zip(seqs, sinks, spans):
             if sink is not None and span is not None:  # kept with the blocks: a later span there skips the LM head
                 sink.store_span(span.values(), s.prefix_tokens + s.new_tokens - 1 - s.logprob_rows)
-        self.tokens_computed += plan.new_tokens
         return BatchOutput(logits=logits, captured=[c.captured if c else None for c in captures], spans=spans)
 
     def _rope_pieces(self, batch: ForwardBatch, chunks: list[tuple[int, int]]) -> dict:

@@ -6,7 +6,7 @@ gRPC, the one Envoy's Maglev table names: perf/envoy_hashing.py predicts every p
 at least doubles the fleet's hit rate; a replica whose tritonserver is SIGKILLed is reaped (no
 zombie, no stubs left) and leaves rotation while every request still gets one final answer, and
 the survivors' users stay where they were; a replica added to the running fleet takes about 1/N
-of the users and nobody else moves."""
+of the users and almost nobody else moves (Maglev: ~0.1% between kept replicas)."""
 
 from __future__ import annotations
 
@@ -263,7 +263,10 @@ def test_a_replica_added_to_the_running_fleet_takes_about_a_share_and_no_one_els
     assert fleet.members == before_members + [added]
     placed_after = _placement(fleet, PROBES)  # Envoy, running, routes by the new table at once
     moved = [u for u in PROBES if placed_after[u] != placed_before[u]]
-    assert moved and all(placed_after[u] == added for u in moved), {u: placed_after[u] for u in moved}
+    # Maglev's table is rebuilt, not extended: a rare user (~0.1%, by the replicas' keys, which hold
+    # this run's ports) moves between two kept replicas; _placement has checked each against the table
+    between_kept = [u for u in moved if placed_after[u] != added]
+    assert moved and len(between_kept) <= 0.02 * len(PROBES), {u: placed_after[u] for u in moved}
     # the share over many users, by the table Envoy was just shown to follow: ~1/N, N the new size
     share = envoy_hashing.moved_fraction(fleet.proxy.front.affinity_lb, keys_before, _member_keys(fleet),
                                          [f"user-{i}" for i in range(20_000)])
