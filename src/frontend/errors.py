@@ -1,13 +1,16 @@
 """Refusals in each API's own error shape, chosen by the route that was called.
 
     openai   {"error": {"message", "type", "param", "code"}}   /v1/completions, /v1/models, /v1/rerank,
-                                                               /rerank, /v1/score, /generative_scoring
+                                                               /rerank, /generative_scoring, /score
+    sglang   {"object": "error", "message", "type", "param", "code"}   /v1/score (SGLang's flat shape)
     cohere   {"message": "..."}                                /v2/rerank
-    tei      {"error": "...", "error_type": "Validation"}      /rerank with a TEI body (422 for bad input)
+    tei      {"error": "...", "error_type": "..."}             /rerank with a TEI body
 
 Every message starts with the engine's code ("invalid_request: ...", "overloaded: ...") as on
-Triton's own routes. Bad input is 400 (TEI: 422), not-now (overloaded, unavailable, restarting)
-is 503, anything else 500 (prefillonly.wire.http_status of the engine's code).
+Triton's own routes. Bad input is 400, an unknown model or route 404, not-now (overloaded,
+unavailable, restarting) 503, anything else 500 (prefillonly.wire.http_status of the engine's
+code). TEI's statuses are its own: 422 Validation for bad input, 400 Empty for no texts, 429
+Overloaded, 424 Backend for an engine error, 503 Unhealthy when no engine answers.
 """
 
 from __future__ import annotations
@@ -37,12 +40,28 @@ def error_response(style: str, error: APIError) -> JSONResponse:
     if style == "cohere":
         return JSONResponse({"message": error.message}, status_code=error.status)
     if style == "tei":
-        status = 422 if error.status == 400 else error.status
-        kind = {422: "Validation", 503: "Overloaded"}.get(status, "Backend")
+        status, kind = _tei_status(error)
         return JSONResponse({"error": error.message, "error_type": kind}, status_code=status)
     body = {"message": error.message, "type": _OPENAI_TYPES.get(error.status, "BadRequestError"), "param": error.param,
             "code": error.status}
+    if style == "sglang":
+        return JSONResponse({"object": "error", **body}, status_code=error.status)
     return JSONResponse({"error": body}, status_code=error.status)
+
+
+def _tei_status(error: APIError) -> tuple[int, str]:
+    """TEI's (status, error_type) for an error: its router's own mapping."""
+    if error.code == "empty":
+        return 400, "Empty"
+    if error.status in (400, 422):
+        return 422, "Validation"
+    if error.status == 404:
+        return 404, "Validation"
+    if error.code == "overloaded":
+        return 429, "Overloaded"
+    if error.status == 503:
+        return 503, "Unhealthy"
+    return 424, "Backend"
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:

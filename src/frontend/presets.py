@@ -82,6 +82,18 @@ class TemplateTokenizer:
         """Ids of `text`; special tokens of the model (BOS) only at the start of a prompt."""
         return list(self.tokenizer.encode(text, add_special_tokens=first))
 
+    def split_joined(self, query: str, items: list[str]) -> tuple[list[int], list[list[int]]]:
+        """SGLang's scoring tokenization: each query + item tokenized as one string, then split
+        into the ids all of them share with the query's own (the multi-item request's shared
+        prompt, computed once) and each item's rest; every item keeps at least one id."""
+        query_ids = self.encode(query, first=True)
+        joined = [self.encode(query + item, first=True) for item in items]
+        shared = len(query_ids)
+        for ids in joined:
+            common = next((i for i, (a, b) in enumerate(zip(query_ids, ids)) if a != b), min(len(query_ids), len(ids)))
+            shared = min(shared, common, len(ids) - 1)
+        return query_ids[:shared], [ids[shared:] for ids in joined]
+
     def token_text(self, token_id: int) -> str:
         """One token's text, as the engine decodes it (prompts.TokenTexts)."""
         return self._texts(token_id)

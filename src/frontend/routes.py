@@ -4,11 +4,13 @@
     POST /rerank (with `texts`)  Text Embeddings Inference [{index, score, text?}]
     POST /v2/rerank              Cohere v2 rerank          {id, results[{index, relevance_score}], meta}
     POST /v1/score               SGLang scoring            {scores[[p per label]], model, usage, object: "scoring"}
+    POST /score (/v1/score with `text_1`)  vLLM score      {id, object: "list", model, data[{index, object, score}], usage}
     POST /generative_scoring     vLLM generative scoring   {id, object: "list", model, data[{index, object, score}], usage}
     POST /v1/completions         OpenAI, one token         {id, object: "text_completion", choices[{text, logprobs}], usage}
                                  (echo + logprobs: the prompt's own tokens scored, frontend/echo.py)
     GET  /v1/models              the presets and the raw model
     GET  /health                 200 while the engine is ready, else 503
+    GET  /info, /version         what is served (TEI's /info fields), the version
 
 The user (body `user`, else the `x-prefillonly-user` header) is the cache namespace and the
 stream's affinity header. build_app assembles one router per API family (health and models,
@@ -18,8 +20,10 @@ set of error handlers, each refusal in the called API's shape.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+from importlib.metadata import version as package_version
 import math
 import time
 import uuid
@@ -31,21 +35,39 @@ from pydantic import ValidationError
 
 from ..errors import PrefillOnlyError
 from ..wire import INTERNAL, USER_HEADER, ScoreResult
+from .documents import document_text, returned_document
 from .echo import echo_choice
 from .errors import APIError, error_response, validation_message
-from .schemas import CompletionRequest, RerankRequest, ScoreRequest, TeiRerankRequest, TextDocument
+from .lenient import IGNORED_HEADER, ignored_fields
+from .schemas import CompletionRequest, PairScoreRequest, RerankRequest, ScoreRequest, TeiRerankRequest
 from .scoring import Scored, Scoring, log_odds, relevance
 
 log = logging.getLogger("prefillonly.frontend")
 COHERE_PATHS = ("/v2/rerank",)
+TRUNCATED_HEADER = "x-prefillonly-truncated-documents"  # indices of the documents cut to fit, comma-separated
+COHERE_DEFAULT_MAX_TOKENS_PER_DOC = 4096  # Cohere v2 cuts every document at 4,096 tokens by default
 
 
 def build_app(scoring: Scoring) -> FastAPI:
     app = FastAPI(title="prefillonly scoring APIs", docs_url=None, redoc_url=None)
     _handle_errors(app)
+    _report_headers(app)
     for routes in (health_routes, rerank_routes, cohere_routes, score_routes, completion_routes):
         app.include_router(routes(scoring))
     return app
+
+
+def _report_headers(app: FastAPI) -> None:
+    """What a call's answer reports beside its body: the fields it ignored, the documents it cut."""
+    @app.middleware("http")
+    async def _headers(request: Request, call_next):
+        response = await call_next(request)
+        ignored, truncated = getattr(request.state, "ignored", None), getattr(request.state, "truncated", None)
+        if ignored:
+            response.headers[IGNORED_HEADER] = ",".join(ignored)
+        if truncated:
+            response.headers[TRUNCATED_HEADER] = ",".join(map(str, truncated))
+        return response
 
 
 def _handle_errors(app: FastAPI) -> None:
@@ -81,6 +103,8 @@ def _style(request: Request) -> str:
     body = getattr(request.state, "body", None)
     if request.url.path == "/rerank" and isinstance(body, dict) and "texts" in body:
         return "tei"
+    if request.url.path == "/v1/score" and not (isinstance(body, dict) and "text_1" in body):
+        return "sglang"
     return "openai"
 
 
@@ -92,6 +116,19 @@ def health_routes(scoring: Scoring) -> APIRouter:
     async def health():
         ready = await scoring.upstream.ready()
         return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
+
+    @router.get("/info")
+    async def info():
+        """TEI's /info fields that hold here (clients read max_input_length and model_id)."""
+        default = next(iter(scoring.presets), scoring.base_model)
+        return {"model_id": default, "model_sha": None, "model_dtype": "auto", "model_type": {"reranker": {}},
+                "max_input_length": scoring.tokens.max_input_len, "max_client_batch_size": scoring.limits.max_documents,
+                "max_concurrent_requests": scoring.limits.max_prompts, "auto_truncate": True,
+                "version": package_version("prefillonly"), "router": "prefillonly", "models": scoring.model_names()}
+
+    @router.get("/version")
+    async def version():
+        return {"version": package_version("prefillonly")}
 
     @router.get("/v1/models")
     async def models():
@@ -115,8 +152,8 @@ def rerank_routes(scoring: Scoring) -> APIRouter:
     async def rerank_plain(request: Request):
         raw = await _json(request)
         if isinstance(raw, dict) and "texts" in raw:
-            return await _tei_rerank(scoring, request, _model(TeiRerankRequest, raw))
-        return await _jina_rerank(scoring, request, _model(RerankRequest, raw))
+            return await _tei_rerank(scoring, request, _model(request, TeiRerankRequest, raw))
+        return await _jina_rerank(scoring, request, _model(request, RerankRequest, raw))
 
     return router
 
@@ -127,40 +164,51 @@ def cohere_routes(scoring: Scoring) -> APIRouter:
     @router.post("/v2/rerank")
     async def rerank_v2(request: Request):
         body = await _parse(request, RerankRequest)
-        _, documents, scored = await _rerank(scoring, request, body, cohere=True)
+        if body.max_tokens_per_doc is None:
+            body.max_tokens_per_doc = COHERE_DEFAULT_MAX_TOKENS_PER_DOC
+        _, scored = await _rerank(scoring, request, body)
         ranked = _top(scored, body.top_n)
-        return {"id": _new_id("rerank"), "results": _results(documents, ranked, bool(body.return_documents)),
-                "meta": {"api_version": {"version": "2"}, "billed_units": {"search_units": 1},
-                         "tokens": {"input_tokens": scored.prompt_tokens, "output_tokens": 0}}}
+        meta = {"api_version": {"version": "2"}, "billed_units": {"search_units": 1},
+                "tokens": {"input_tokens": scored.prompt_tokens, "output_tokens": 0}}
+        if scored.truncated:
+            meta["warnings"] = [f"documents {', '.join(map(str, scored.truncated))} were cut to fit"]
+        return {"id": _new_id("rerank"), "results": _results(body.documents, ranked, bool(body.return_documents)),
+                "meta": meta}
 
     return router
 
 
-async def _rerank(scoring: Scoring, request: Request, body: RerankRequest, cohere: bool) -> tuple[str, list[str], Scored]:
+async def _rerank(scoring: Scoring, request: Request, body: RerankRequest) -> tuple[str, Scored]:
+    """A rerank body's documents scored: their text (`rank_fields`' keys), cut to
+    max_tokens_per_doc (0: no limit) and then, unless `truncate` is false, to fit the model."""
     if body.relevant_spans is not None:
         raise APIError("relevant_spans is not supported by this server", param="relevant_spans")
     preset = scoring.preset(body.model, for_rerank=True)
-    documents = [d.text if isinstance(d, TextDocument) else d for d in body.documents]
-    # Cohere: lower priority numbers run earlier; the engine runs higher ones first
-    priority = -(body.priority or 0) if cohere else 0
+    documents = [document_text(d, body.rank_fields, i) for i, d in enumerate(body.documents)]
+    truncate = None if body.truncate is False else (body.truncation_side or "right")
+    # Cohere and vLLM: lower priority numbers run earlier; the engine runs higher ones first
     scored = await scoring.rerank(preset, body.query, documents, instruction=body.instruction,
-                                  max_tokens_per_doc=body.max_tokens_per_doc, truncate=None,
-                                  user=_user(request, body.user), priority=priority)
-    return preset.name, documents, scored
+                                  max_tokens_per_doc=body.max_tokens_per_doc or None, truncate=truncate,
+                                  user=_user(request, body.user), priority=-(body.priority or 0))
+    request.state.truncated = scored.truncated
+    return preset.name, scored
 
 
 async def _jina_rerank(scoring: Scoring, request: Request, body: RerankRequest) -> dict:
-    model, documents, scored = await _rerank(scoring, request, body, cohere=False)
+    model, scored = await _rerank(scoring, request, body)
     with_docs = True if body.return_documents is None else body.return_documents
-    return {"id": _new_id("rerank"), "model": model, "results": _results(documents, _top(scored, body.top_n), with_docs),
+    return {"id": _new_id("rerank"), "model": model, "results": _results(body.documents, _top(scored, body.top_n), with_docs),
             "usage": _usage(scored)}
 
 
 async def _tei_rerank(scoring: Scoring, request: Request, body: TeiRerankRequest) -> list[dict]:
     preset = scoring.preset(body.model, for_rerank=True)
-    truncate = body.truncation_direction.lower() if body.truncate else None
+    if not body.texts:
+        raise APIError("texts is empty; give at least one", code="empty", param="texts")
+    truncate = None if body.truncate is False else body.truncation_direction.lower()
     scored = await scoring.rerank(preset, body.query, body.texts, instruction=None, max_tokens_per_doc=None,
                                   truncate=truncate, user=_user(request, body.user))
+    request.state.truncated = scored.truncated
     out = []
     for s in _top(scored, None):
         entry = {"index": s.index, "score": log_odds(s) if body.raw_scores else relevance(s)}
@@ -170,12 +218,12 @@ async def _tei_rerank(scoring: Scoring, request: Request, body: TeiRerankRequest
     return out
 
 
-def _results(documents: list[str], ranked: list, with_documents: bool) -> list[dict]:
+def _results(documents: list, ranked: list, with_documents: bool) -> list[dict]:
     out = []
     for s in ranked:
         entry = {"index": s.index, "relevance_score": relevance(s)}
         if with_documents:
-            entry["document"] = {"text": documents[s.index]}
+            entry["document"] = returned_document(documents[s.index])
         out.append(entry)
     return out
 
@@ -195,13 +243,21 @@ def score_routes(scoring: Scoring) -> APIRouter:
 
     @router.post("/v1/score")
     async def score_sglang(request: Request):
-        body, model, scored = await _score(scoring, request, apply_softmax=False)
+        raw = await _json(request)
+        if isinstance(raw, dict) and "text_1" in raw:  # vLLM's score API on the same path
+            return await _pair_score(scoring, request, _model(request, PairScoreRequest, raw))
+        body, model, scored = await _score(scoring, request, _model(request, ScoreRequest, raw), apply_softmax=False,
+                                           join_text=True)
         return {"scores": [_label_values(s, body.apply_softmax) for s in scored.scores], "model": model,
                 "usage": _usage(scored), "object": "scoring"}
 
+    @router.post("/score")
+    async def score_pairs(request: Request):
+        return await _pair_score(scoring, request, await _parse(request, PairScoreRequest))
+
     @router.post("/generative_scoring")
     async def score_vllm(request: Request):
-        body, model, scored = await _score(scoring, request, apply_softmax=True)
+        body, model, scored = await _score(scoring, request, await _parse(request, ScoreRequest), apply_softmax=True)
         data = [{"index": s.index, "object": "score", "score": _label_values(s, body.apply_softmax)[0]} for s in scored.scores]
         return {"id": _new_id("score"), "object": "list", "created": int(time.time()), "model": model, "data": data,
                 "usage": _usage(scored)}
@@ -209,14 +265,40 @@ def score_routes(scoring: Scoring) -> APIRouter:
     return router
 
 
-async def _score(scoring: Scoring, request: Request, apply_softmax: bool) -> tuple[ScoreRequest, str, Scored]:
-    body = await _parse(request, ScoreRequest)
+async def _score(scoring: Scoring, request: Request, body: ScoreRequest, apply_softmax: bool,
+                 join_text: bool = False) -> tuple[ScoreRequest, str, Scored]:
+    """join_text: SGLang's tokenization (query + item as one string). SGLang takes one string as
+    one item and no items as an empty answer."""
     if body.apply_softmax is None:
         body.apply_softmax = apply_softmax
     preset = scoring.preset(body.model, for_rerank=False)
-    scored = await scoring.score(preset, body.query, body.items, body.label_token_ids, item_first=body.item_first,
-                                 user=_user(request, body.user))
+    items = [body.items] if isinstance(body.items, str) else body.items
+    if not items and join_text:
+        return body, preset.name, Scored([], 0, 0)
+    scored = await scoring.score(preset, body.query, items, body.label_token_ids, item_first=body.item_first,
+                                 user=_user(request, body.user), join_text=join_text, priority=-(body.priority or 0))
     return body, preset.name, scored
+
+
+async def _pair_score(scoring: Scoring, request: Request, body: PairScoreRequest) -> dict:
+    """vLLM's score API: text_1 (one query, or one per text_2) against text_2, each pair's score
+    the rerank preset's relevance; one multi-item request per distinct query."""
+    preset = scoring.preset(body.model, for_rerank=True)
+    firsts = [body.text_1] if isinstance(body.text_1, str) else list(body.text_1)
+    seconds = [body.text_2] if isinstance(body.text_2, str) else list(body.text_2)
+    if not firsts or not seconds:
+        raise APIError("text_1 and text_2 must not be empty", param="text_1" if not firsts else "text_2")
+    if len(firsts) not in (1, len(seconds)):
+        raise APIError(f"text_1 has {len(firsts)} texts and text_2 {len(seconds)}: give one text_1, or one per text_2",
+                       param="text_1")
+    user, priority = _user(request, body.user), -(body.priority or 0)
+    groups = [(firsts[0], seconds)] if len(firsts) == 1 else [(q, [d]) for q, d in zip(firsts, seconds)]
+    parts = await asyncio.gather(*(scoring.rerank(preset, q, docs, instruction=None, max_tokens_per_doc=None, truncate=None,
+                                                  user=user, priority=priority) for q, docs in groups))
+    scores = [relevance(s) for part in parts for s in part.scores]
+    total = Scored([], sum(p.prompt_tokens for p in parts), sum(p.cached_tokens for p in parts))
+    return {"id": _new_id("score"), "object": "list", "created": int(time.time()), "model": preset.name,
+            "data": [{"index": i, "object": "score", "score": x} for i, x in enumerate(scores)], "usage": _usage(total)}
 
 
 def _label_values(s, apply_softmax: bool) -> list[float]:
@@ -239,7 +321,7 @@ def completion_routes(scoring: Scoring) -> APIRouter:
         top_k = k if allowed is None else 0
         results = await scoring.complete(prompts, allowed, max(top_k, 1 if allowed is None else 0), _user(request, body.user))
         generate = body.max_tokens != 0
-        choices = [_choice(i, r, allowed is not None, k if body.logprobs is not None else None, generate)
+        choices = [_choice(i, r, allowed is not None, k if body.logprobs is not None else None, generate, scoring.eos_id)
                    for i, r in enumerate(results)]
         return _completion(body, choices, sum(r.prompt_tokens for r in results), len(results) if generate else 0,
                            sum(r.cached_tokens for r in results))
@@ -259,12 +341,31 @@ def _completion_prompts(scoring: Scoring, body: CompletionRequest) -> list:
     for name, bad in (("stream", body.stream), ("n", body.n != 1), ("best_of", body.best_of not in (None, 1))):
         if bad:
             raise APIError(f"{name} is not supported: one prompt gives exactly one token here", param=name)
+    body.allowed_token_ids = _allowed_ids(body)
     if body.echo and body.allowed_token_ids is not None:
         raise APIError("allowed_token_ids does not apply with echo: echo scores the prompt's own tokens", param="allowed_token_ids")
     prompts = _prompts(body.prompt)
     if body.allowed_token_ids is not None and not body.allowed_token_ids:
         raise APIError("allowed_token_ids is empty", param="allowed_token_ids")
     return prompts
+
+
+def _allowed_ids(body: CompletionRequest) -> list[int] | None:
+    """The allowed tokens: vLLM's allowed_token_ids, or OpenAI's logit_bias of +100 on each (which
+    makes those tokens the only ones chosen); any other bias would reshape the distribution."""
+    if not body.logit_bias:
+        return body.allowed_token_ids
+    if body.allowed_token_ids is not None:
+        raise APIError("give allowed_token_ids or logit_bias, not both", param="logit_bias")
+    ids = []
+    for key, bias in body.logit_bias.items():
+        if not key.strip().isdigit():
+            raise APIError(f"logit_bias keys are token ids; {key!r} is not one", param="logit_bias")
+        if bias < 100:
+            raise APIError(f"logit_bias[{key}] is {bias:g}: only +100 (choose among these tokens) is supported here, "
+                           "other biases would change the probabilities", param="logit_bias")
+        ids.append(int(key))
+    return ids
 
 
 async def _echo_completion(scoring: Scoring, body: CompletionRequest, prompts: list, user: str | None) -> dict:
@@ -286,10 +387,12 @@ def _completion(body: CompletionRequest, choices: list[dict], prompt_tokens: int
                       "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}}
 
 
-def _choice(index: int, result: ScoreResult, among_allowed: bool, logprobs: int | None, generate: bool) -> dict:
+def _choice(index: int, result: ScoreResult, among_allowed: bool, logprobs: int | None, generate: bool,
+            eos_id: int | None) -> dict:
     """One OpenAI choice: the chosen token (the allowed one with the highest probability, or the
     vocabulary's argmax), its full-vocabulary logprob, and the `logprobs` most likely candidates
-    (among the allowed tokens when they were given, else over the vocabulary)."""
+    (among the allowed tokens when they were given, else over the vocabulary). An end-of-sequence
+    token is finish_reason "stop" with empty text, as OpenAI and vLLM answer it."""
     if not generate:  # max_tokens 0: the prompt was run (and its prefix cached), nothing generated
         return {"index": index, "text": "", "logprobs": None, "finish_reason": "length"}
     candidates = sorted(result.tokens, key=lambda t: -t.logprob) if among_allowed else result.top_k
@@ -300,6 +403,8 @@ def _choice(index: int, result: ScoreResult, among_allowed: bool, logprobs: int 
         for t in candidates[:logprobs]:
             top.setdefault(t.text, t.logprob)
         lp = {"tokens": [chosen.text], "token_logprobs": [chosen.logprob], "top_logprobs": [top], "text_offset": [0]}
+    if chosen.id == eos_id:
+        return {"index": index, "text": "", "logprobs": lp, "finish_reason": "stop"}
     return {"index": index, "text": chosen.text, "logprobs": lp, "finish_reason": "length"}
 
 
@@ -334,13 +439,16 @@ async def _json(request: Request):
     return raw
 
 
-def _model(cls, raw):
+def _model(request: Request, cls, raw):
+    """`raw` as a `cls` body; the fields it ignored are kept for the answer's header."""
     try:
-        return cls.model_validate(raw)
+        body = cls.model_validate(raw)
     except ValidationError as e:
         message, param = validation_message(e.errors())
         raise APIError(message, param=param) from None
+    request.state.ignored = ignored_fields(body, request.url.path)
+    return body
 
 
 async def _parse(request: Request, cls):
-    return _model(cls, await _json(request))
+    return _model(request, cls, await _json(request))

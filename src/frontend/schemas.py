@@ -1,73 +1,105 @@
 """Request bodies of the scoring APIs, field names exactly as each API spells them.
 
-Unknown fields are refused (a misspelt `top_n` would otherwise be ignored without a word);
-fields of an API that this engine accepts but that cannot change one greedy token
-(temperature, seed, ...) are listed and ignored. Responses are plain dicts built in routes.py,
-so each API keeps its own shape.
+Fields this server does not implement are ignored, as vLLM, SGLang and TEI ignore them (clients
+send fields of their own: LiteLLM's `rank_fields`, TEI clients' `truncate: null`); a near miss of
+a field we implement is refused instead (frontend/lenient.py). `ORIGINAL_FIELDS` lists, per
+model, what the original API documents and this server accepts without acting on it (temperature,
+seed, ... cannot change one greedy token). Responses are plain dicts built in routes.py, so each
+API keeps its own shape.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    ORIGINAL_FIELDS: ClassVar[frozenset[str]] = frozenset()
 
 
-class TextDocument(_Strict):
-    text: str
+class TextDocument(BaseModel):
+    """A document object: `text` (or the keys `rank_fields` names); every other key is kept and
+    comes back with the document (Cohere v1 documents carry ids and titles)."""
+    model_config = ConfigDict(extra="allow")
+    text: Optional[str] = None
 
 
 Document = Union[str, TextDocument]
 
 
-class RerankRequest(_Strict):
-    """Jina / vLLM `POST /v1/rerank` and `POST /rerank`, Cohere v2 `POST /v2/rerank`."""
+class RerankRequest(_Lenient):
+    """Jina / vLLM / Cohere v1 `POST /v1/rerank` and `POST /rerank`, Cohere v2 `POST /v2/rerank`."""
+    ORIGINAL_FIELDS: ClassVar[frozenset[str]] = frozenset({
+        "max_chunks_per_doc",  # Cohere v1: long documents are cut to fit here instead of chunked
+        "max_tokens_per_query", "truncate_prompt_tokens", "encoding_format", "request_id", "use_activation",
+        "softmax", "activation", "mm_processor_kwargs", "cache_salt", "additional_data", "truncation"})
     model: Optional[str] = None  # None: the default preset (the first in scoring_presets.json)
     query: str
     documents: list[Document]
     top_n: Optional[int] = None  # None or 0: every document
     return_documents: Optional[bool] = None  # default: True on /v1/rerank, False on /v2/rerank
-    max_tokens_per_doc: Optional[int] = Field(None, ge=1)
+    max_tokens_per_doc: Optional[int] = Field(None, ge=0)  # 0: no limit (vLLM); default 4,096 on /v2/rerank
+    rank_fields: Optional[list[str]] = None  # Cohere v1 / LiteLLM: the document keys scored, in order
+    truncate: Optional[bool] = None  # a document too long for the model: cut (None, True) or refused (False)
+    truncation_side: Optional[Literal["left", "right"]] = None  # vLLM's; default right (a document's start kept)
     instruction: Optional[str] = None
     user: Optional[str] = None
-    priority: Optional[int] = None  # Cohere: lower runs earlier
+    priority: Optional[int] = None  # Cohere and vLLM: lower runs earlier
     relevant_spans: Optional[dict] = None  # Cohere: refused when given (not supported)
 
 
-class TeiRerankRequest(_Strict):
+class TeiRerankRequest(_Lenient):
     """Text Embeddings Inference `POST /rerank` (a body with `texts`)."""
     query: str
     texts: list[str]
     raw_scores: bool = False
     return_text: bool = False
-    truncate: bool = False
+    truncate: Optional[bool] = None  # None: cut, as TEI's --auto-truncate (its default); False: refused
     truncation_direction: Literal["Right", "Left", "right", "left"] = "Right"
     model: Optional[str] = None
     user: Optional[str] = None
 
 
-class ScoreRequest(_Strict):
+class ScoreRequest(_Lenient):
     """SGLang `POST /v1/score` and vLLM `POST /generative_scoring`."""
+    ORIGINAL_FIELDS: ClassVar[frozenset[str]] = frozenset({"add_special_tokens", "request_id", "return_tokens"})
     model: Optional[str] = None
     query: Union[str, list[int]]
-    items: Union[list[str], list[list[int]]]
+    items: Union[str, list[str], list[list[int]]]  # SGLang: one string is one item
     label_token_ids: list[int] = Field(min_length=1)
     apply_softmax: Optional[bool] = None  # default: False on /v1/score (SGLang's), True on /generative_scoring (vLLM's)
     item_first: bool = False
     user: Optional[str] = None
+    priority: Optional[int] = None  # vLLM: lower runs earlier
 
 
-class CompletionRequest(_Strict):
+class PairScoreRequest(_Lenient):
+    """vLLM's cross-encoder `POST /score` (and `/v1/score` with a `text_1` body): text_1 the query
+    (one, or one per text_2), text_2 the documents; scored by the default rerank preset or `model`."""
+    ORIGINAL_FIELDS: ClassVar[frozenset[str]] = frozenset({"truncate_prompt_tokens", "encoding_format", "request_id",
+                                                            "mm_processor_kwargs", "use_activation", "activation"})
+    model: Optional[str] = None
+    text_1: Union[str, list[str]]
+    text_2: Union[str, list[str]]
+    user: Optional[str] = None
+    priority: Optional[int] = None
+
+
+class CompletionRequest(_Lenient):
     """OpenAI `POST /v1/completions`, for exactly one token (this engine never decodes)."""
+    ORIGINAL_FIELDS: ClassVar[frozenset[str]] = frozenset({
+        "suffix", "stream_options", "top_k", "min_p", "repetition_penalty", "length_penalty", "min_tokens",
+        "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens", "request_id",
+        "prompt_logprobs", "truncate_prompt_tokens", "priority", "response_format", "guided_json", "stop_token_ids"})
     model: str
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = 1
     logprobs: Optional[int] = None
     allowed_token_ids: Optional[list[int]] = None  # vLLM's extension: choose among these only
+    logit_bias: Optional[dict[str, float]] = None  # +100 on k tokens: choose among those (OpenAI's way)
     echo: bool = False
     n: int = 1
     best_of: Optional[int] = None

