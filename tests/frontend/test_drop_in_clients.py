@@ -1,12 +1,9 @@
 """The clients people already run, unchanged but for their base URL, against the real serve stack
 (Envoy, the supervised tritonserver, the frontend; the small random-weight model in float32):
-cohere.Client (v1) and cohere.ClientV2, LiteLLM's hosted-vLLM rerank, LlamaIndex's TEI reranker,
+cohere.Client (v1), cohere.ClientV2 and langchain_cohere's CohereRerank, LiteLLM's hosted-vLLM rerank, LlamaIndex's TEI reranker,
 huggingface_hub's health check, the openai SDK with logit_bias; and the fields such clients send
 that this server does not implement (ignored and named in a header, as vLLM and TEI ignore them).
-Each answer's order and scores equal the in-process engine's on the published template's ids.
-
-Not here: langchain_cohere's CohereRerank. Its newest release (0.6.0) needs cohere<6, and the SDK
-pinned for these tests is cohere 7.3.1; it calls the same v1 `rerank` that cohere.Client does."""
+Each answer's order and scores equal the in-process engine's on the published template's ids."""
 
 from __future__ import annotations
 
@@ -58,6 +55,19 @@ def test_cohere_v2_cuts_long_documents_at_4096_tokens_and_warns(stack):
     # the default is 4,096 tokens a document: the same scores as asking for it
     asked = client.rerank(model="plain", query="q", documents=["short", long_doc], max_tokens_per_doc=4096)
     assert [(r.index, r.relevance_score) for r in asked.results] == [(r.index, r.relevance_score) for r in reply.results]
+
+
+def test_langchain_cohere_rerank_compresses_documents(stack, engine, tokenizer):
+    from langchain_cohere import CohereRerank
+    from langchain_core.documents import Document as LangchainDocument
+
+    reranker = CohereRerank(model="qwen3-reranker", base_url=stack.http_url, cohere_api_key="unused", top_n=3)
+    documents = [LangchainDocument(page_content=d, metadata={"source": i}) for i, d in enumerate(DOCS)]
+    kept = reranker.compress_documents(documents, QUERY)
+    want = _want(engine, tokenizer)
+    assert [d.metadata["source"] for d in kept] == sorted(range(len(DOCS)), key=lambda i: -want[i])[:3]
+    for d in kept:
+        assert d.metadata["relevance_score"] == pytest.approx(want[d.metadata["source"]], abs=TOL)
 
 
 def test_litellm_hosted_vllm_rerank(stack, engine, tokenizer, monkeypatch):
