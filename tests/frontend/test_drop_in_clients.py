@@ -1,7 +1,8 @@
 """The clients people already run, unchanged but for their base URL, against the real serve stack
 (Envoy, the supervised tritonserver, the frontend; the small random-weight model in float32):
-cohere.Client (v1), cohere.ClientV2 and langchain_cohere's CohereRerank, LiteLLM's hosted-vLLM rerank, LlamaIndex's TEI reranker,
-huggingface_hub's health check, the openai SDK with logit_bias; and the fields such clients send
+cohere.Client (v1), cohere.ClientV2 and langchain_cohere's CohereRerank, LiteLLM's hosted-vLLM
+rerank, LlamaIndex's TEI and Jina rerankers, huggingface_hub's health check, the openai SDK with
+logit_bias; and the fields such clients send
 that this server does not implement (ignored and named in a header, as vLLM and TEI ignore them).
 Each answer's order and scores equal the in-process engine's on the published template's ids."""
 
@@ -102,6 +103,19 @@ def test_llama_index_tei_reranker_long_documents_included(stack, engine, tokeniz
         if n.node.node_id in want:
             assert n.score == pytest.approx(want[n.node.node_id], abs=TOL)
     assert [n.score for n in ranked] == sorted((n.score for n in ranked), reverse=True)
+
+
+def test_llama_index_jina_reranker(stack, engine, tokenizer):
+    from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+    from llama_index.postprocessor.jinaai_rerank import JinaRerank
+
+    reranker = JinaRerank(top_n=2, model="qwen3-reranker", base_url=f"{stack.http_url}/v1", api_key="unused")
+    nodes = [NodeWithScore(node=TextNode(text=t, id_=str(i)), score=0.0) for i, t in enumerate(DOCS)]
+    ranked = reranker.postprocess_nodes(nodes, QueryBundle(QUERY))
+    want = _want(engine, tokenizer)
+    assert [int(n.node.node_id) for n in ranked] == sorted(range(len(DOCS)), key=lambda i: -want[i])[:2]
+    for n in ranked:
+        assert n.score == pytest.approx(want[int(n.node.node_id)], abs=TOL)
 
 
 def test_health_info_and_version_for_hub_and_kubernetes_checks(stack):
