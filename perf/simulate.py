@@ -78,6 +78,7 @@ from perf.envoy_hashing import EnvoyPlacement, classify_moves
 from prefillonly.cache.index import PrefixIndex
 from prefillonly.config import DEFAULT_MAX_BATCH_TOKENS, EngineConfig
 from prefillonly.errors import OverloadedError
+from prefillonly.serving.picker.choice import Picker
 from prefillonly.scheduler import (DEFAULT_LAMBDA_TOKENS_PER_S, IndexPrefixView, JctEstimator, Scheduler, StepBudget, StepOutcome,
                                    WaitingRequest)
 
@@ -254,7 +255,7 @@ def engine_of(user, engines: int) -> int:
 
 
 # -- routing across engines (the fleet's Envoy policies) -----------------------------------------
-ROUTINGS = ("user_hash", "maglev_bounded", "ring_hash_bounded", "least_request", "random")
+ROUTINGS = ("user_hash", "maglev_bounded", "ring_hash_bounded", "least_request", "random", "picker")
 HASHED = {"maglev_bounded": "MAGLEV", "ring_hash_bounded": "RING_HASH"}  # -> Envoy's lb_policy
 
 
@@ -275,6 +276,10 @@ class Router:
                        is therefore what the real Envoy moves (perf/bench_placement.py)
     least_request      Envoy's LEAST_REQUEST: the less loaded of two engines drawn at random
     random             uniform
+    picker             the fleet's endpoint picker (prefillonly.serving.picker.choice, the live
+                       picker's code): the engine predicted to complete the request first, from
+                       each engine's backlog and JCT fit as reported every `report_interval_s`
+                       (PickerRouter) and the blocks the picker sent it
     """
 
     def __init__(self, routing: str, engines: int, rng: np.random.Generator, factor: float = 1.5):
@@ -333,6 +338,27 @@ class Record:
         return self.done_s - self.arrival_s
 
 
+class PickerRouter:
+    """Routing "picker": prefillonly.serving.picker.choice.Picker over the simulated engines,
+    which report their queued work (Scheduler.queued_work_s plus the running step's remaining
+    time) and JCT coefficients every `report_interval_s` of simulated time, as the replicas
+    publish them to the live picker (staleness included)."""
+
+    def __init__(self, engines: list, block_size: int, capacity_blocks: int, fallback_s_per_token: float,
+                 report_interval_s: float):
+        self.engines, self.report_interval_s = engines, report_interval_s
+        self.picker = Picker(block_size, capacity_blocks, fallback_s_per_token)
+        self.picker.set_members([e.eid for e in engines])
+        self._next_report = 0.0
+
+    def route(self, r: "SimRequest", now: float) -> int:
+        if now >= self._next_report:
+            for e in self.engines:
+                self.picker.report(e.eid, e.queued_work_s(now), e.estimator.coefficients, now)
+            self._next_report = now + self.report_interval_s
+        return self.picker.pick(r.user, r.block_keys, r.prompt_tokens, now).replica
+
+
 class _Clock:
     __slots__ = ("now",)
 
@@ -367,6 +393,12 @@ class SimEngine:
     def add(self, sr: SimRequest) -> None:
         """Queue a trace request as the engine queues its Request (raises OverloadedError)."""
         self.scheduler.add(_queued(sr, self.block_size))
+
+    def queued_work_s(self, now: float) -> float:
+        """What the engine publishes to the picker: its waiting requests' estimates plus what is
+        left of the running step."""
+        running = max(0.0, self.running[2] + self.running[3] + self.running[1] - now) if self.running else 0.0
+        return self.scheduler.queued_work_s() + running
 
     @property
     def outstanding(self) -> int:
@@ -429,6 +461,7 @@ class SimConfig:
     # model's device (DEFAULT_MAX_BATCH_TOKENS: 8192 gpu, 2048 cpu); 1 = one request per step (unbatched)
     routing: str = "user_hash"  # across engines: see Router
     hash_balance_factor: float = 1.5  # the hashed routings' bound, Envoy's hash_balance_factor / 100
+    report_interval_s: float = 0.05  # routing "picker": how often the engines report their backlog
 
 
 @dataclass
@@ -501,6 +534,8 @@ def simulate(requests: list[SimRequest], cost: CostModel, cfg: SimConfig, block_
     # arrival order; trace order breaks ties (the workloads' arrival_order does the same)
     arrivals = sorted(enumerate(requests), key=lambda ir: (ir[1].arrival_s, ir[0]))
     router = Router(cfg.routing, cfg.engines, np.random.default_rng(np.random.SeedSequence([cfg.seed, 5])), cfg.hash_balance_factor)
+    picker = (PickerRouter(engines, block_size, cache_blocks, fallback, cfg.report_interval_s)
+              if cfg.routing == "picker" else None)
     routes: dict = {}  # user -> the engines it was sent to
     done: list[tuple[float, int]] = []  # heap of (completion time, engine id)
     records, rejected = [], []
@@ -517,7 +552,10 @@ def simulate(requests: list[SimRequest], cost: CostModel, cfg: SimConfig, block_
         while i < n and arrivals[i][1].arrival_s <= clock.now:
             r = arrivals[i][1]
             i += 1
-            eid = router.route(r.user, [e.outstanding for e in engines] if cfg.engines > 1 else [0])
+            if picker is not None:
+                eid = picker.route(r, clock.now)
+            else:
+                eid = router.route(r.user, [e.outstanding for e in engines] if cfg.engines > 1 else [0])
             routes.setdefault(r.user, set()).add(eid)
             try:
                 engines[eid].add(r)
@@ -876,7 +914,7 @@ def plot(data: dict, path: Path) -> bool:
 
 # -- the fleet: Envoy's routing policies at paper scale ---------------------------------------------
 FLEET_SECTION = "## Fleet routing simulation"
-FLEET_ROUTINGS = ("maglev_bounded", "ring_hash_bounded", "least_request", "random")
+FLEET_ROUTINGS = ("picker", "maglev_bounded", "ring_hash_bounded", "least_request", "random")
 
 
 def routing_moves(routing: str, engines: int, users: list) -> dict:

@@ -236,7 +236,8 @@ class Engine:
                 dtype=self.config.dtype, dtype_reason=self.config.dtype_reason, budget_bytes=budget,
                 attention_backend=self.executor.kernels.attention, linear_backend=self.executor.kernels.linear,
                 cache=copy.copy(self.cache.stats) if self.cache else None,
-                cache_bytes_in_use=self.cache.bytes_in_use() if self.cache else {})
+                cache_bytes_in_use=self.cache.bytes_in_use() if self.cache else {},
+                queued_work_s=self.scheduler.queued_work_s(), jct_coefficients=self.jct.coefficients)
 
     def predict_peak_bytes(self, new_tokens: int, prefix_tokens: int = 0, inplace_attention: bool = False) -> int:
         """Predicted peak extra memory of computing `new_tokens` after `prefix_tokens` cached ones."""

@@ -58,10 +58,7 @@ class JctEstimator:
         return c.per_token_s if c and c.per_token_s > 0 else self.fallback_s_per_token
 
     def predict(self, uncached: int, cached: int) -> float:
-        c = self._coef
-        if c is None:
-            return self.fallback_s_per_token * max(uncached, 1)
-        return c.fixed_s + c.per_token_s * uncached + c.attention_s * uncached * (uncached + 2 * cached)
+        return predict_jct(self._coef, self.fallback_s_per_token, uncached, cached)
 
     def predict_step(self, members: list[tuple[int, int]]) -> float:
         """A step computing every (uncached, cached) member at once."""
@@ -100,6 +97,14 @@ class JctEstimator:
         if coef[1] <= 0 and coef[2] <= 0:
             return self._coef  # degenerate window (e.g. all the same size): keep the last fit
         return JctCoefficients(*map(float, coef))
+
+
+def predict_jct(coef: JctCoefficients | None, fallback_s_per_token: float, uncached: int, cached: int) -> float:
+    """A request's predicted seconds under a fit (or, with none yet, fallback_s_per_token per
+    uncached token): the estimator's, and the fleet picker's with a replica's reported fit."""
+    if coef is None:
+        return fallback_s_per_token * max(uncached, 1)
+    return coef.fixed_s + coef.per_token_s * uncached + coef.attention_s * uncached * (uncached + 2 * cached)
 
 
 def _step_features(members: list[tuple[int, int]]) -> tuple[float, float]:

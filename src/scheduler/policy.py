@@ -102,6 +102,11 @@ class Scheduler:
     def estimate(self, req: Schedulable, cached_tokens: int | None = None) -> float:
         return self.estimator.predict(*self.split(req, cached_tokens))
 
+    def queued_work_s(self) -> float:
+        """Seconds of work waiting: the sum of every waiting request's own estimate against the
+        cache as it is now (what a replica publishes to the fleet's picker)."""
+        return sum(self.estimate(r) for r in self._waiting)
+
     def credit_s(self, arrived: float, now: float) -> float:
         """CSJF's starvation credit of a request that arrived at `arrived`, in seconds."""
         return self.lambda_tokens_per_s * self.estimator.seconds_per_token * (now - arrived)

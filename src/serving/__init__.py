@@ -8,6 +8,7 @@ host/   around it, in the `python -m prefillonly.serving serve` process (cli.py)
         (the front door's configuration; deploy/ uses only this) + envoy.py (the Envoy process),
         frontend_process.py, fleet.py, probe.py, prometheus.py (reading a metrics endpoint),
         model_settings.py (config.pbtxt's engine settings), addresses.py, process.py.
+picker/ the fleet's endpoint picker: choice.py (which replica completes a request soonest).
 Nothing is imported here, so that the model's imports inside the Triton stub load only what they
 name; host/ never imports torch.
 """

@@ -89,6 +89,21 @@ def test_fcfs_sjf_csjf_orders():
         assert pick(s) is None
 
 
+def test_queued_work_is_the_waiting_requests_estimates_against_the_cache_now():
+    """What a replica publishes to the fleet picker: the sum of its waiting requests' own
+    estimates, each on its uncached tokens as the cache is at the time of asking."""
+    s, _, cached = make("csjf")
+    assert s.queued_work_s() == 0.0
+    for name, n in [("a", 3000), ("b", 100), ("c", 1000)]:
+        s.add(req(n, user=name))
+    est = s.estimator
+    assert s.queued_work_s() == pytest.approx(est.predict(3000, 0) + est.predict(100, 0) + est.predict(1000, 0))
+    cached["a"] = 2900  # a's prefix lands in the cache: less work left
+    assert s.queued_work_s() == pytest.approx(est.predict(100, 2900) + est.predict(100, 0) + est.predict(1000, 0))
+    pick(s)
+    assert s.queued_work_s() < est.predict(100, 0) + est.predict(1000, 0) + est.predict(100, 2900)
+
+
 def test_priority_classes_come_first():
     s, _, _ = make("csjf")
     s.add(req(100, "small"))

@@ -173,6 +173,10 @@ def test_metrics_endpoint_exports_engine_metrics_that_move(server):
     assert tokens and sum(after[k] for k in tokens) > sum(before.get(k, 0) for k in tokens)
     for name in ("prefillonly_waiting_requests", "prefillonly_cache_bytes", "prefillonly_jct_estimate_error"):
         assert any(k.startswith(name) for k in after), name
+    # what the fleet picker reads: the backlog (nothing waits on an idle server) and the JCT fit
+    assert after["prefillonly_queued_work_seconds"] == 0
+    terms = {t: after[f'prefillonly_jct_coefficient{{term="{t}"}}'] for t in ("fixed_s", "per_token_s", "attention_s")}
+    assert all(v >= 0 for v in terms.values()), terms
     # request latency: a histogram per phase (queue wait, total)
     for phase in ("queue", "total"):
         assert moved(f'prefillonly_request_latency_seconds_count{{phase="{phase}"}}', 3), phase

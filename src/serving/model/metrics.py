@@ -48,6 +48,13 @@ _METRICS = [
     ("prefillonly_jct_estimate_error", "GAUGE", "Mean absolute relative error of the JCT estimate", {
         (): lambda s: s.jct_mean_abs_rel_error or 0.0,
     }),
+    ("prefillonly_queued_work_seconds", "GAUGE", "Seconds of work waiting: the waiting requests' JCT estimates, summed", {
+        (): lambda s: s.queued_work_s,
+    }),
+    ("prefillonly_jct_coefficient", "GAUGE", "The fitted JCT model a + b*u + k*u*(u + 2c) (0 before a fit)", {
+        (("term", term),): (lambda s, term=term: getattr(s.jct_coefficients, term) if s.jct_coefficients else 0.0)
+        for term in ("fixed_s", "per_token_s", "attention_s")
+    }),
     ("prefillonly_tokens_per_second", "GAUGE", "Prompt tokens computed per second since the last update", {}),
     ("prefillonly_warmup_seconds", "GAUGE", "Seconds the warm-up request took before the model reported ready", {}),
 ]

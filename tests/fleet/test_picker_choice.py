@@ -1,0 +1,91 @@
+"""The fleet picker's decision (prefillonly.serving.picker.choice), without processes: its
+prediction is the replica's JCT model on the blocks it holds plus its backlog, it picks the
+lowest, keeps a user where it was within the margin, and its view of each replica's cache is
+an LRU chain of what it sent there."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefillonly.scheduler.jct import JctCoefficients, JctEstimator
+from prefillonly.serving.picker.choice import HeldBlocks, Picker
+
+COEF = JctCoefficients(fixed_s=0.01, per_token_s=1e-3, attention_s=1e-7)
+BLOCK = 16
+
+
+def _picker(replicas=("a", "b", "c"), capacity=1000, margin=0.05) -> Picker:
+    p = Picker(BLOCK, capacity, fallback_s_per_token=2e-3, stick_margin_s=margin)
+    p.set_members(list(replicas))
+    for r in replicas:
+        p.report(r, 0.0, COEF, at=0.0)
+    return p
+
+
+def _keys(user: str, blocks: int) -> list[str]:
+    return [f"{user}/{i}" for i in range(blocks)]
+
+
+def test_the_prediction_is_the_replicas_jct_model_on_its_held_blocks_plus_its_backlog():
+    p = _picker()
+    estimator = JctEstimator()
+    estimator._coef = COEF  # the replica's fit, as it reported it
+    keys = _keys("u", 8)
+    p.replicas["a"].held.record(keys[:5])
+    p.report("b", 0.7, COEF, at=10.0)
+    for replica, backlog, cached in (("a", 0.0, 5 * BLOCK), ("b", 0.7 - 0.2, 0), ("c", 0.0, 0)):
+        seconds, held = p.predict(replica, keys, 8 * BLOCK + 3, now=10.2)
+        assert held * BLOCK == cached
+        assert seconds == pytest.approx(backlog + estimator.predict(8 * BLOCK + 3 - cached, cached))
+
+
+def test_a_warm_replica_wins_until_its_backlog_costs_more_than_recomputing():
+    p = _picker(margin=0.0)
+    keys = _keys("u", 64)  # 1,024 tokens: ~1.1 s cold here
+    p.replicas["b"].held.record(keys)
+    assert p.pick("u", keys, 64 * BLOCK + 1, now=1.0).replica == "b"
+    p.report("b", 5.0, COEF, at=2.0)  # b now has 5 s queued: a cold replica is faster
+    choice = p.pick("u", keys, 64 * BLOCK + 1, now=2.0)
+    assert choice.replica != "b" and choice.predicted_s["b"] > choice.predicted_s[choice.replica]
+
+
+def test_a_burst_is_spread_because_each_pick_adds_to_the_backlog():
+    p = _picker(margin=0.0)
+    chosen = [p.pick(None, _keys(f"user{i}", 4), 4 * BLOCK, now=0.0).replica for i in range(9)]
+    assert sorted(chosen.count(r) for r in "abc") == [3, 3, 3]
+    # and the backlog drains at one second per second
+    view = p.replicas[chosen[-1]]
+    assert view.backlog(now=view.backlog_at + 0.01) == pytest.approx(view.backlog_s - 0.01)
+    assert view.backlog(now=view.backlog_at + 1e6) == 0.0
+
+
+def test_a_user_stays_within_the_margin_and_moves_beyond_it():
+    p = _picker(margin=0.5)
+    keys = _keys("u", 2)
+    first = p.pick("u", keys, 2 * BLOCK + 5, now=0.0).replica
+    p.report(first, 0.3, COEF, at=1.0)  # slower by 0.3 s than the others: within the margin
+    assert p.pick("u", _keys("v", 2), 2 * BLOCK + 5, now=1.0).replica == first
+    p.report(first, 3.0, COEF, at=2.0)  # slower by 3 s: beyond it
+    assert p.pick("u", _keys("w", 2), 2 * BLOCK + 5, now=2.0).replica != first
+
+
+def test_membership_and_reports_of_strangers():
+    p = _picker()
+    p.replicas["a"].held.record(["x"])
+    p.set_members(["a", "d"])
+    assert set(p.replicas) == {"a", "d"} and p.replicas["a"].held.leading(["x"]) == 1  # a kept its view
+    p.report("b", 9.0, COEF, at=0.0)  # gone: ignored
+    assert "b" not in p.replicas and p.replicas["d"].reported_at is None
+    p.set_members([])
+    with pytest.raises(LookupError):
+        p.pick("u", ["x"], 20, now=0.0)
+
+
+def test_held_blocks_are_an_lru_chain_of_bounded_size():
+    held = HeldBlocks(capacity=3)
+    held.record(["a", "b", "c"])
+    assert held.leading(["a", "b", "c", "d"]) == 3 and held.leading(["d", "a"]) == 0
+    held.record(["a"])  # a most recently used: b is the oldest
+    held.record(["z"])
+    assert len(held) == 3 and held.leading(["b"]) == 0 and held.leading(["a"]) == 1
+    assert held.leading(["a", "x", "z"]) == 1  # a chain: the first miss ends the match
