@@ -34,9 +34,9 @@ def test_the_prediction_is_the_replicas_jct_model_on_its_held_blocks_plus_its_ba
     p.replicas["a"].held.record(keys[:5])
     p.report("b", 0.7, COEF, at=10.0)
     for replica, backlog, cached in (("a", 0.0, 5 * BLOCK), ("b", 0.7 - 0.2, 0), ("c", 0.0, 0)):
-        seconds, held = p.predict(replica, keys, 8 * BLOCK + 3, now=10.2)
-        assert held * BLOCK == cached
-        assert seconds == pytest.approx(backlog + estimator.predict(8 * BLOCK + 3 - cached, cached))
+        seconds, compute, held = p.predict(replica, keys, 8 * BLOCK + 3, now=10.2)
+        assert held * BLOCK == cached and compute == pytest.approx(estimator.predict(8 * BLOCK + 3 - cached, cached))
+        assert seconds == pytest.approx(backlog + compute)
 
 
 def test_a_warm_replica_wins_until_its_backlog_costs_more_than_recomputing():

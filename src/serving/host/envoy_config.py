@@ -150,6 +150,7 @@ class FrontDoor:
     fleet: bool | None = None  # route as a fleet; None: when there is more than one upstream (a DNS
     # name of a headless Service is one upstream but resolves to many replicas: say fleet=True)
     live_endpoints: bool = False  # replicas from watched files (endpoint_files), changeable while running
+    picker: str | None = None  # host:port of the endpoint picker (prefillonly.serving.picker): see _picker_filters
 
     def __post_init__(self):
         if self.routing not in ROUTINGS:
@@ -162,6 +163,8 @@ class FrontDoor:
             raise ValueError(f"retries must be >= 0, not {self.retries}")
         if self.live_endpoints and not all(_is_ip(u.host) for u in self.upstreams):
             raise ValueError("live_endpoints takes replicas by IP address (a DNS name is re-resolved by Envoy itself)")
+        if self.picker is not None and self.picker.rpartition(":")[0] == "":
+            raise ValueError(f"picker must be host:port, not {self.picker!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -399,6 +402,8 @@ def _routes(clusters: list[dict], front: FrontDoor, grpc: bool, frontend_cluster
         return out
 
     out = [r for match in (FRONTEND_ROUTES if frontend_clusters else ()) for r in to(match, frontend_clusters)]
+    if front.picker and not grpc:
+        return [_without_picker(r) for r in out] + [_picked_route()] + to({"prefix": "/"}, clusters)
     return out + to({"prefix": "/"}, clusters)
 
 
@@ -489,9 +494,67 @@ def _connection_manager(name: str, clusters: list[dict], *, grpc: bool, front: F
             {"name": "envoy.filters.http.buffer",
              "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer",
                               "max_request_bytes": int(front.max_request_bytes)}},
+            *(_picker_filters() if front.picker else []),
             _router(),
         ]
     return hcm
+
+
+# -- the endpoint picker (FrontDoor.picker) ----------------------------------------------------
+# On the HTTP listener, each request to Triton is shown to the picker (Envoy's ext_proc: headers,
+# then the buffered body), which answers with the replica to use in PICKER_DESTINATION_HEADER;
+# a route matching that header sends it there (an ORIGINAL_DST cluster reads the address from
+# it). Fail open: when the picker is down, slow (PICKER_TIMEOUT) or answers nothing, the request
+# goes on without the header, to the Maglev route as without a picker. A client's own
+# destination header is removed first, so only the picker can choose an address. The scoring-API
+# routes (the frontend) skip the picker; gRPC streams are routed once at their start, by Maglev.
+PICKER_DESTINATION_HEADER = "x-gateway-destination-endpoint"  # the Gateway API Inference Extension's
+PICKER_CLUSTER, PICKED_CLUSTER = "picker", "triton_http_picked"
+PICKER_TIMEOUT = "0.2s"  # per ext_proc message; the picker answers in well under 1 ms when healthy
+_EXT_PROC = "envoy.filters.http.ext_proc"
+
+
+def _picker_filters() -> list[dict]:
+    return [
+        {"name": "envoy.filters.http.header_mutation",
+         "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+                          "mutations": {"request_mutations": [{"remove": PICKER_DESTINATION_HEADER}]}}},
+        {"name": _EXT_PROC,
+         "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                          "grpc_service": {"envoy_grpc": {"cluster_name": PICKER_CLUSTER}, "timeout": PICKER_TIMEOUT},
+                          "failure_mode_allow": True,
+                          "message_timeout": PICKER_TIMEOUT,
+                          "processing_mode": {"request_header_mode": "SEND", "response_header_mode": "SKIP",
+                                              "request_body_mode": "BUFFERED", "response_body_mode": "NONE",
+                                              "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}}},
+    ]
+
+
+def _picker_clusters(front: FrontDoor) -> list[dict]:
+    host, _, port = front.picker.rpartition(":")
+    picker = {"name": PICKER_CLUSTER, "type": "STATIC" if _is_ip(host) else "STRICT_DNS", "connect_timeout": "0.25s",
+              "load_assignment": {"cluster_name": PICKER_CLUSTER,
+                                  "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket_address(host, int(port))}}]}]},
+              "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                  "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                  "explicit_http_config": {"http2_protocol_options": {}}}}}
+    picked = {"name": PICKED_CLUSTER, "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED", "connect_timeout": _CONNECT_TIMEOUT,
+              "original_dst_lb_config": {"use_http_header": True, "http_header_name": PICKER_DESTINATION_HEADER},
+              "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                  "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                  "common_http_protocol_options": {"idle_timeout": _UPSTREAM_IDLE_TIMEOUT},
+                  "explicit_http_config": {"http_protocol_options": {}}}}}
+    return [picker, picked]
+
+
+def _picked_route() -> dict:
+    return {"match": {"prefix": "/", "headers": [{"name": PICKER_DESTINATION_HEADER, "present_match": True}]},
+            "route": {"cluster": PICKED_CLUSTER, "timeout": "0s"}}
+
+
+def _without_picker(route: dict) -> dict:
+    return dict(route, typed_per_filter_config={_EXT_PROC: {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute", "disabled": True}})
 
 
 def _router() -> dict:
@@ -525,7 +588,7 @@ def envoy_config(front: FrontDoor, endpoints_dir: str | os.PathLike | None = Non
                           _connection_manager("http", http_clusters, grpc=False, front=front, frontend_clusters=frontend_clusters)),
                 _listener("grpc", front.host, front.grpc_port, _connection_manager("grpc", grpc_clusters, grpc=True, front=front)),
             ],
-            "clusters": http_clusters + grpc_clusters + frontend_clusters,
+            "clusters": http_clusters + grpc_clusters + frontend_clusters + (_picker_clusters(front) if front.picker else []),
         },
     }
 

@@ -30,19 +30,24 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
 from .envoy import EnvoyProxy
 from .envoy_config import FrontDoor, Upstream
+from .picker_process import PickerProcess, write_members
 from .triton_server import TritonServer
 
 
 class LocalFleet:
     def __init__(self, model_repository: str | os.PathLike, replicas: int = 3, *, routing: str = "affinity",
                  gpus: list[int] | None = None, log_dir: str | os.PathLike | None = None, ready_timeout: float = 300.0,
-                 reap_interval_s: float = 0.5, **front_options):
-        """front_options go to FrontDoor (http_port, grpc_port, affinity_lb, hash_balance_factor, ...)."""
+                 reap_interval_s: float = 0.5, picker: bool = False, picker_options: dict | None = None, **front_options):
+        """front_options go to FrontDoor (http_port, grpc_port, affinity_lb, hash_balance_factor, ...).
+        picker: run the endpoint picker (PickerProcess, `picker_options` its keyword arguments) and
+        route HTTP requests by it (FrontDoor.picker), Maglev as the fallback; it follows the
+        members through a members file."""
         if replicas < 1:
             raise ValueError(f"a fleet needs at least one replica, not {replicas}")
         if gpus is not None and len(gpus) != replicas:
@@ -57,6 +62,9 @@ class LocalFleet:
         self.members: list[int] = []  # indices of the replicas in Envoy's endpoints
         self.reaped: dict[int, int] = {}  # index -> exit status of each replica that died on its own, once reaped
         self.proxy: EnvoyProxy | None = None
+        self.picker: PickerProcess | None = None
+        self.picker_options = dict(picker_options or {}) if picker else None
+        self._picker_dir = tempfile.mkdtemp(prefix="fleet-picker-") if picker else None
         self._lock = threading.RLock()
         self._stopping = threading.Event()
         self._reaper: threading.Thread | None = None
@@ -81,8 +89,12 @@ class LocalFleet:
             for r in self.replicas:
                 r.wait_ready(self.ready_timeout)
             self.members = list(range(self.count))
+            if self.picker_options is not None:
+                self._write_picker_members()
+                self.start_picker()
             # free ports unless the caller chose them
             front = FrontDoor(self.upstreams, routing=self.routing, live_endpoints=True, fleet=True,
+                              picker=self.picker.address if self.picker else None,
                               **{"http_port": 0, "grpc_port": 0, **self.front_options})
             self.proxy = EnvoyProxy(front, log_path=self._log("envoy")).start().wait_ready()
             self._reaper = threading.Thread(target=self._reap_loop, name="fleet-reaper", daemon=True)
@@ -100,6 +112,31 @@ class LocalFleet:
     def _set_members(self, members: list[int]) -> None:
         self.members = members
         self.proxy.set_upstreams(self.upstreams)
+        if self.picker_options is not None:
+            self._write_picker_members()
+
+    # -- the endpoint picker -------------------------------------------------------------------
+    @property
+    def picker_members_file(self) -> Path:
+        return Path(self._picker_dir) / "members.json"
+
+    def _write_picker_members(self) -> None:
+        write_members(self.picker_members_file, [
+            {"key": u.key, "destination": f"{u.host}:{u.http_port}", "metrics_url": self.replicas[i].metrics_url}
+            for i, u in zip(self.members, self.upstreams)])
+
+    def start_picker(self) -> PickerProcess:
+        """Start (or, after stop_picker, restart on the same port) the picker and wait until it serves."""
+        port = self.picker.port if self.picker is not None else 0
+        self.picker = PickerProcess(self.picker_members_file, port, log_path=self._log("picker"),
+                                    **self.picker_options).start()
+        return self.picker.wait_ready()
+
+    def stop_picker(self, kill: bool = False) -> None:
+        """Stop the picker (SIGKILL with kill=True): Envoy falls back to Maglev until it returns."""
+        if kill:
+            self.picker.send_signal(9)
+        self.picker.stop(timeout=5)
 
     def wait_for_members(self, timeout: float = 30.0) -> None:
         """Until Envoy routes to exactly the current members (each healthy)."""
@@ -158,6 +195,9 @@ class LocalFleet:
         if self.proxy is not None:
             with contextlib.suppress(Exception):
                 self.proxy.stop()
+        if self.picker is not None:
+            with contextlib.suppress(Exception):
+                self.picker.stop(timeout=5)
         for r in self.replicas:
             with contextlib.suppress(Exception):
                 r.stop(timeout=15)

@@ -14,9 +14,13 @@ For each live replica the picker predicts the request's completion time there as
             the chained block hashes of what it sent there, LRU at the replica's cache size in
             blocks; an approximation, since the picker does not see evictions forced by others).
 
-and picks the lowest. A user's requests stay on the replica they last went to unless another is
-predicted faster by more than `stick_margin_s` (hysteresis: two replicas within noise of each
-other do not split a user's requests, and with them the user's cached profile).
+and picks the lowest cost = completion + `work_weight` x jct: the request's own completion time,
+plus what its compute costs everyone queued behind it on that replica. Without that term a
+greedy pick sends a user's second request (its profile still computing for the first) to an idle
+replica, where it finishes as early but computes the profile again: the fleet's work grows, and
+at 64 simulated engines the hit rate fell from Maglev's 63% to 42% and the mean tripled. A user's
+requests stay on the replica they last went to unless another's cost is lower by more than
+`stick_margin_s` (hysteresis: two replicas within noise of each other do not split a user).
 
 Tensor-free and clock-free (`now` is passed in): the live picker and the fleet simulator
 (perf/simulate.py, routing "picker") run this same code.
@@ -31,6 +35,7 @@ from dataclasses import dataclass, field
 from ...scheduler.jct import JctCoefficients, predict_jct
 
 DEFAULT_STICK_MARGIN_S = 0.05
+DEFAULT_WORK_WEIGHT = 10.0  # swept at 64 simulated engines: 1 -> hit 51%, 3 -> 62%, 5-30 -> 72-74% (the ideal), P99 best at 10 (RESULTS.md)
 
 
 @dataclass
@@ -83,11 +88,12 @@ class Choice:
 
 class Picker:
     def __init__(self, block_size: int, capacity_blocks: int, fallback_s_per_token: float,
-                 stick_margin_s: float = DEFAULT_STICK_MARGIN_S):
+                 stick_margin_s: float = DEFAULT_STICK_MARGIN_S, work_weight: float = DEFAULT_WORK_WEIGHT):
         if block_size < 1 or capacity_blocks < 0:
             raise ValueError(f"block_size must be >= 1 and capacity_blocks >= 0, not {block_size}, {capacity_blocks}")
         self.block_size, self.capacity_blocks = block_size, capacity_blocks
         self.fallback_s_per_token, self.stick_margin_s = fallback_s_per_token, stick_margin_s
+        self.work_weight = work_weight
         self.replicas: dict[Hashable, ReplicaView] = {}
         self._last: dict[Hashable, Hashable] = {}  # user -> the replica its last request went to
 
@@ -104,29 +110,34 @@ class Picker:
         if coefficients is not None:
             view.coefficients = coefficients
 
-    def predict(self, replica: Hashable, block_keys: Sequence[Hashable], prompt_tokens: int, now: float) -> tuple[float, int]:
-        """(predicted completion seconds from `now`, leading blocks held) of a request on `replica`;
-        at least one token is always computed."""
+    def predict(self, replica: Hashable, block_keys: Sequence[Hashable], prompt_tokens: int, now: float) -> tuple[float, float, int]:
+        """(predicted completion seconds from `now`, compute seconds, leading blocks held) of a
+        request on `replica`; at least one token is always computed."""
         view = self.replicas[replica]
         held = view.held.leading(block_keys)
         cached = min(held * self.block_size, prompt_tokens - 1)
-        return view.backlog(now) + predict_jct(view.coefficients, self.fallback_s_per_token, prompt_tokens - cached, cached), held
+        compute = predict_jct(view.coefficients, self.fallback_s_per_token, prompt_tokens - cached, cached)
+        return view.backlog(now) + compute, compute, held
 
-    def pick(self, user: Hashable | None, block_keys: Sequence[Hashable], prompt_tokens: int, now: float) -> Choice:
-        """The replica predicted to finish the request first (the user's last one unless another
-        is faster by more than stick_margin_s); the choice is recorded: its backlog grows by the
-        request's predicted compute and it is taken to hold the request's blocks."""
+    def pick(self, user: Hashable | None, block_keys: Sequence[Hashable], prompt_tokens: int, now: float,
+             kept_blocks: int | None = None) -> Choice:
+        """The replica of lowest cost (completion + work_weight x compute; the user's last one
+        unless another costs less by more than stick_margin_s); the choice is recorded: its
+        backlog grows by the request's predicted compute and it is taken to hold the request's
+        blocks (the first `kept_blocks` of them when given: a replica keeps a request's prefix
+        blocks only, as the engine discards a suffix's K/V)."""
         if not self.replicas:
             raise LookupError("no live replica to pick")
         predicted = {r: self.predict(r, block_keys, prompt_tokens, now) for r in self.replicas}
-        best = min(predicted, key=lambda r: predicted[r][0])
+        cost = {r: done + self.work_weight * compute for r, (done, compute, _) in predicted.items()}
+        best = min(cost, key=cost.get)
         last = self._last.get(user) if user is not None else None
-        if last in predicted and predicted[last][0] <= predicted[best][0] + self.stick_margin_s:
+        if last in cost and cost[last] <= cost[best] + self.stick_margin_s:
             best = last
         view = self.replicas[best]
-        seconds, held = predicted[best]
+        seconds, _, held = predicted[best]
         view.backlog_s, view.backlog_at = seconds, now  # its backlog now ends when this request does
-        view.held.record(block_keys)
+        view.held.record(block_keys if kept_blocks is None else block_keys[:kept_blocks])
         if user is not None:
             self._last[user] = best
         return Choice(best, {r: p[0] for r, p in predicted.items()}, held)
