@@ -356,7 +356,7 @@ class PickerRouter:
             for e in self.engines:
                 self.picker.report(e.eid, e.queued_work_s(now), e.estimator.coefficients, now)
             self._next_report = now + self.report_interval_s
-        return self.picker.pick(r.user, r.block_keys, r.prompt_tokens, now).replica
+        return self.picker.pick(r.user, r.block_keys, r.prompt_tokens, now, r.keep_len // self.picker.block_size).replica
 
 
 class _Clock:
