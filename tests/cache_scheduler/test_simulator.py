@@ -361,6 +361,11 @@ def test_fleet_routing_affinity_keeps_the_hits_random_loses_them():
         assert by[hashed]["hit_rate"] > 2 * by["random"]["hit_rate"]
         assert by[hashed]["hit_rate"] > 2 * by["least_request"]["hit_rate"]
         assert by[hashed]["users_split"] < by["random"]["users_split"]
+    # the picker (completion time on each engine, its cache as the picker sent it) keeps users
+    # together at least as well as the hash and does not queue them behind a busy engine
+    assert by["picker"]["hit_rate"] >= by["maglev_bounded"]["hit_rate"]
+    assert by["picker"]["users_split"] <= by["maglev_bounded"]["users_split"]
+    assert by["picker"]["p99_latency_s"] <= by["maglev_bounded"]["p99_latency_s"]
     assert {(m["routing"], m["engines"]) for m in out["moves"]} == {(r, n) for r in sim.HASHED for n in (3, 8)}
     assert all(r["load_imbalance"] >= 1.0 for r in by.values())
     out.update(command="python perf/simulate.py --fleet", date="2026-12-01",
