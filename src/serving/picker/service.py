@@ -16,8 +16,8 @@ fleet) and each member's Prometheus metrics, scraped every `report_interval_s`
 `max_scrape_failures` times in a row leaves the set until it answers again.
 
 Every decision is appended to `decisions_log` (JSON lines: time, user, prompt tokens, the chosen
-key and destination, each member's predicted seconds, the report's age): what the tests check the
-routed replica against and what the benchmark reads.
+key and destination, each member's predicted seconds, the report's age, the microseconds the
+decision took): what the tests check the routed replica against and what the benchmark reads.
 """
 
 from __future__ import annotations
@@ -114,6 +114,7 @@ class PickerState:
 
     def decide(self, user: str | None, prompt_ids: list[int] | None) -> str | None:
         """The destination (host:port) of a request; None when no member is live."""
+        started = time.perf_counter()
         tokens = len(prompt_ids) if prompt_ids else 1
         keys = block_hashes(prompt_ids, self.picker.block_size, namespace_root(_NAMESPACE_MODEL, user)) if prompt_ids else []
         now = time.monotonic()
@@ -127,7 +128,8 @@ class PickerState:
             if self._log:
                 self._log.write(json.dumps({"t": time.time(), "user": user, "prompt_tokens": tokens, "key": choice.replica,
                                             "destination": destination, "cached_blocks": choice.cached_blocks,
-                                            "predicted_s": choice.predicted_s, "report_age_s": age}) + "\n")
+                                            "predicted_s": choice.predicted_s, "report_age_s": age,
+                                            "decide_us": (time.perf_counter() - started) * 1e6}) + "\n")
         return destination
 
 
