@@ -8,7 +8,8 @@
 
 Routing (--routing, default affinity): requests with the x-prefillonly-user header are hashed on
 it (--lb MAGLEV, the default, or RING_HASH; bounded by --hash-balance-factor percent of the mean
-load), the rest go to the least-loaded replica; see src/serving/host/envoy_config.py for retries, health checks and
+load), the rest go to the least-loaded replica; with --picker, HTTP requests go where the endpoint
+picker says (deploy/kubernetes/picker.yaml), by the routes above when it is down; see src/serving/host/envoy_config.py for retries, health checks and
 outlier detection. The config is checked with the real `envoy --mode validate` unless --no-validate.
 """
 
@@ -59,6 +60,8 @@ def build(argv=None) -> tuple[dict, argparse.Namespace]:
                         "no user between the others; RING_HASH moves 6-10%% of all users between them)")
     p.add_argument("--hash-balance-factor", type=int, default=DEFAULT_HASH_BALANCE_FACTOR)
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
+    p.add_argument("--picker", metavar="HOST:PORT", help="route HTTP requests by the endpoint picker at this gRPC address "
+                                                         "(python -m prefillonly.serving.picker; Maglev when it is down)")
     p.add_argument("--configmap", metavar="NAME", help="print a Kubernetes ConfigMap of this name instead of the JSON")
     p.add_argument("--namespace", default="default")
     p.add_argument("--no-validate", action="store_true", help="skip `envoy --mode validate`")
@@ -67,7 +70,7 @@ def build(argv=None) -> tuple[dict, argparse.Namespace]:
     # one DNS name is one Upstream, but a fleet behind it: route as a fleet
     front = FrontDoor(upstreams, host=a.listen, http_port=a.http_port, grpc_port=a.grpc_port, admin_port=a.admin_port,
                       max_request_bytes=a.max_request_bytes, routing=a.routing, affinity_lb=a.lb,
-                      hash_balance_factor=a.hash_balance_factor, fleet=bool(a.dns) or len(upstreams) > 1)
+                      hash_balance_factor=a.hash_balance_factor, fleet=bool(a.dns) or len(upstreams) > 1, picker=a.picker)
     return envoy_config(front), a
 
 

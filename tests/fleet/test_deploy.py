@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from prefillonly.serving.host.envoy_config import (AFFINITY_LB, ROUTINGS, USER_HEADER, FrontDoor, Upstream, envoy_config,
-                                                   validate_config)
+from prefillonly.serving.host.envoy_config import (AFFINITY_LB, PICKER_CLUSTER, PICKER_DESTINATION_HEADER, ROUTINGS,
+                                                   USER_HEADER, FrontDoor, Upstream, envoy_config, validate_config)
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"
@@ -73,8 +73,9 @@ def test_replicas_are_one_gpu_each_with_the_probes_and_the_headless_service_envo
     assert hpa["metrics"][0]["pods"]["metric"]["name"] == "prefillonly_waiting_requests"
 
 
-def test_the_committed_envoy_configmap_is_what_the_generator_makes_and_envoy_accepts_it():
-    path = K8S / "envoy-configmap.yaml"
+@pytest.mark.parametrize("name", ["envoy-configmap.yaml", "envoy-picker-configmap.yaml"])
+def test_the_committed_envoy_configmap_is_what_the_generator_makes_and_envoy_accepts_it(name):
+    path = K8S / name
     command = path.read_text().splitlines()[1].removeprefix("# ")
     args = shlex.split(command)[2:]  # after "python deploy/envoy_config.py"
     fresh = subprocess.run([sys.executable, str(ROOT / "deploy" / "envoy_config.py"), *args], capture_output=True, text=True,
@@ -87,7 +88,17 @@ def test_the_committed_envoy_configmap_is_what_the_generator_makes_and_envoy_acc
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
     assert clusters["triton_http_affinity"]["type"] == "STRICT_DNS" and clusters["triton_http_affinity"]["lb_policy"] == "MAGLEV"
     routes = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]
-    first = routes["virtual_hosts"][0]["routes"][0]
+    routes = routes["virtual_hosts"][0]["routes"]
+    if "picker" in name:  # the picker's choice first, then the routes it falls back to
+        assert routes[0]["match"]["headers"][0]["name"] == PICKER_DESTINATION_HEADER
+        assert clusters[routes[0]["route"]["cluster"]]["type"] == "ORIGINAL_DST"
+        picker = clusters[PICKER_CLUSTER]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+        docs = {(d["kind"], d["metadata"]["name"]): d for _, d in _documents()}
+        service = docs[("Service", "prefillonly-picker")]
+        assert picker["socket_address"] == {"address": f"prefillonly-picker.{service['metadata']['namespace']}.svc.cluster.local",
+                                            "port_value": service["spec"]["ports"][0]["port"]}
+        routes = routes[1:]
+    first = routes[0]
     assert first["match"]["headers"][0]["name"] == USER_HEADER
     assert first["route"]["hash_policy"] == [{"header": {"header_name": USER_HEADER}}]
 

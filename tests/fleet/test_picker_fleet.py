@@ -102,3 +102,14 @@ def test_a_replica_that_dies_leaves_the_pickers_decisions(fleet):
     answers = [_ask(fleet, _profile(400 + i) + [5], f"after-{i}") for i in range(9)]
     assert all(status == 200 for status, _, _ in answers), answers
     assert all(d["destination"] != gone for d in _decisions(fleet)[before:])
+
+
+def test_dns_members_are_what_the_name_resolves_to():
+    """On Kubernetes the picker's members are the replicas' headless Service's A records."""
+    from prefillonly.serving.picker.service import DnsMembers
+
+    members = DnsMembers("localhost", 8000, 8002)
+    assert members.reload() is True and members.by_key == {"127.0.0.1:8000": ("127.0.0.1:8000", "http://127.0.0.1:8002/metrics")}
+    assert members.reload() is False  # unchanged
+    gone = DnsMembers("no-such-host.invalid", 8000, 8002)
+    assert gone.reload() is False and gone.by_key == {}  # a failed lookup keeps the last members (none yet)

@@ -1,4 +1,4 @@
-"""python -m prefillonly.serving.picker --port 9002 --members-file members.json [--decisions-log picks.jsonl]
+"""python -m prefillonly.serving.picker --port 9002 (--members-file members.json | --dns replicas.svc) [--decisions-log picks.jsonl]
 
 Runs the endpoint picker (service.py) until SIGTERM / SIGINT. Prints "picker: serving on
 host:port" once it accepts calls."""
@@ -12,7 +12,7 @@ import threading
 from concurrent import futures
 
 from .choice import DEFAULT_STICK_MARGIN_S, Picker
-from .service import Members, PickerState, servicer
+from .service import DnsMembers, Members, PickerState, servicer
 
 DEFAULT_REPORT_INTERVAL_S = 0.1
 DEFAULT_BLOCK_SIZE = 64  # EngineConfig.cache_block_size's default (tests/fleet/test_picker_choice.py checks)
@@ -25,7 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m prefillonly.serving.picker", description=__doc__.split("\n\n")[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9002, help="gRPC port Envoy's ext_proc filter calls (0: a free one)")
-    p.add_argument("--members-file", required=True, help='JSON list of {"key", "destination", "metrics_url"}, reread live')
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--members-file", help='JSON list of {"key", "destination", "metrics_url"}, reread live')
+    where.add_argument("--dns", help="one DNS name resolving to every ready replica (a headless Service), reresolved live")
+    p.add_argument("--replica-http-port", type=int, default=8000, help="with --dns: the replicas' HTTP port")
+    p.add_argument("--replica-metrics-port", type=int, default=8002, help="with --dns: the replicas' metrics port")
     p.add_argument("--report-interval-s", type=float, default=DEFAULT_REPORT_INTERVAL_S)
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="the replicas' prefix-cache block size")
     p.add_argument("--cache-blocks", type=int, default=4096, help="each replica's prefix-cache size, in blocks")
@@ -40,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
 
     a = build_parser().parse_args(argv)
     picker = Picker(a.block_size, a.cache_blocks, a.fallback_s_per_token, a.stick_margin_s)
-    state = PickerState(picker, Members(a.members_file), a.report_interval_s, decisions_log=a.decisions_log).start()
+    members = Members(a.members_file) if a.members_file else DnsMembers(a.dns, a.replica_http_port, a.replica_metrics_port)
+    state = PickerState(picker, members, a.report_interval_s, decisions_log=a.decisions_log).start()
     service, add = servicer(state)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
     add(service, server)

@@ -9,8 +9,9 @@ Inference Extension's endpoint pickers set, and Envoy routes the request to that
 ORIGINAL_DST cluster reading the header: envoy_config.py, FrontDoor.picker). A request it cannot
 read (no JSON `input_ids`) is picked on its user alone (a one-token prompt to the model).
 
-What the picker knows of the replicas (choice.py): the members file (a JSON list of
-{"key", "destination", "metrics_url"}, reread every report interval, so membership follows the
+What the picker knows of the replicas (choice.py): the members (a members file, a JSON list of
+{"key", "destination", "metrics_url"} that LocalFleet rewrites, or on Kubernetes the replicas'
+headless Service name, reresolved; either reread every report interval, so membership follows the
 fleet) and each member's Prometheus metrics, scraped every `report_interval_s`
 (`prefillonly_queued_work_seconds`, `prefillonly_jct_coefficient`); a member whose scrape fails
 `max_scrape_failures` times in a row leaves the set until it answers again.
@@ -23,6 +24,7 @@ decision took): what the tests check the routed replica against and what the ben
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -53,6 +55,26 @@ class Members:
             by_key = {m["key"]: (m["destination"], m["metrics_url"]) for m in listed}
         except (OSError, ValueError, KeyError, TypeError):
             return False
+        changed = by_key != self.by_key
+        self.by_key = by_key
+        return changed
+
+
+class DnsMembers(Members):
+    """The members as one DNS name resolves (a Kubernetes headless Service: one A record per ready
+    replica pod), reresolved at every reload; each address's HTTP and metrics ports are given."""
+
+    def __init__(self, name: str, http_port: int, metrics_port: int):
+        self.name, self.http_port, self.metrics_port = name, http_port, metrics_port
+        self.by_key = {}
+
+    def reload(self) -> bool:
+        try:
+            infos = socket.getaddrinfo(self.name, self.http_port, socket.AF_INET, socket.SOCK_STREAM)
+        except OSError:
+            return False  # a resolver hiccup keeps the last members (their scrapes decide)
+        ips = sorted({info[4][0] for info in infos})
+        by_key = {f"{ip}:{self.http_port}": (f"{ip}:{self.http_port}", f"http://{ip}:{self.metrics_port}/metrics") for ip in ips}
         changed = by_key != self.by_key
         self.by_key = by_key
         return changed
