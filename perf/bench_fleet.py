@@ -14,7 +14,8 @@ cache large enough for every profile):
 3. Open-loop Poisson load at 0.8x that rate, the same arrivals for each routing policy in turn
    (Envoy restarted with that policy's config in between): affinity (Maglev on
    x-prefillonly-user, bounded load 1.5x the mean: the default), affinity with a 3x bound,
-   least request, round robin; throughput, mean / P99
+   least request, round robin, and the endpoint picker (its own process; affinity when it
+   fails); throughput, mean / P99
    latency, the fleet's hit rate (cached tokens / prompt tokens as the replicas report them) and
    requests per replica. Each run uses its own cache namespaces (the `user` field), so no run
    finds another's profiles cached.
@@ -45,13 +46,15 @@ from prefillonly.serving.host.envoy_config import REPLICA_HEADER, FrontDoor, Ups
 from prefillonly.serving.host.envoy import EnvoyProxy
 from prefillonly.serving.host.fleet import LocalFleet
 from prefillonly.serving.host.model_settings import copy_model_repository
+from prefillonly.serving.host.picker_process import PickerProcess, write_members
 
 SECTION = "## Fleet behind Envoy"
 REPO = bu.REPO_ROOT / "model_repository"
 OUT = bu.PERF_DIR / "results" / "fleet"
-# (label, routing, hash_balance_factor): the default affinity config first, then a looser bound
+# (label, routing, hash_balance_factor): the default affinity config first, then a looser bound;
+# "picker": the endpoint picker (prefillonly.serving.picker) in front, affinity as its fallback
 POLICIES = (("affinity", "affinity", 150), ("affinity, bound 3x", "affinity", 300), ("least_request", "least_request", 150),
-            ("round_robin", "round_robin", 150))
+            ("round_robin", "round_robin", 150), ("picker", "affinity", 150))
 REPLICAS = 3
 
 
@@ -77,9 +80,17 @@ class FleetBackend:
         return {"prompt_tokens": doc["prompt_tokens"], "cached_tokens": doc["cached_tokens"], "logprobs": None}
 
 
-def _front(fleet: LocalFleet, routing: str, factor: int) -> FrontDoor:
+def _front(fleet: LocalFleet, routing: str, factor: int, picker: str | None = None) -> FrontDoor:
     return FrontDoor([Upstream("127.0.0.1", r.http_port, r.grpc_port) for r in fleet.replicas], routing=routing,
-                     hash_balance_factor=factor, http_port=0, grpc_port=0)
+                     hash_balance_factor=factor, http_port=0, grpc_port=0, picker=picker)
+
+
+def _start_picker(fleet: LocalFleet, folder: Path) -> PickerProcess:
+    """The endpoint picker over the fleet's replicas (their HTTP ports and metrics)."""
+    members = folder / "picker-members.json"
+    write_members(members, [{"key": u.key, "destination": f"{u.host}:{u.http_port}", "metrics_url": fleet.replicas[i].metrics_url}
+                            for i, u in zip(fleet.members, fleet.upstreams)])
+    return PickerProcess(members, log_path=folder / "picker.log", decisions_log=folder / "picker-decisions.jsonl").start().wait_ready()
 
 
 def _paired(n: int, call_direct, call_envoy) -> dict:
@@ -161,15 +172,19 @@ def main(argv: list[str] | None = None) -> int:
                    f"{overhead['scoring']['paired_overhead_median_ms']:.2f} ms on a short scoring request")
             sat = run(FleetBackend(fleet.http_url, "sat", True), trace, "saturation (affinity, all at once)", None, a.seed)
             qps = a.load * sat["throughput_rps"]
-            runs = []
+            runs, picker = [], None
             for k, (label, routing, factor) in enumerate(POLICIES):
+                if label == "picker":
+                    picker = _start_picker(fleet, Path(tmp))
                 if k:  # the same replicas, Envoy reconfigured
                     fleet.proxy.stop()
-                    fleet.proxy = EnvoyProxy(_front(fleet, routing, factor)).start().wait_ready()
+                    fleet.proxy = EnvoyProxy(_front(fleet, routing, factor, picker.address if picker else None)).start().wait_ready()
                 backend = FleetBackend(fleet.http_url, f"run{k}", header=routing == "affinity")
                 s = run(backend, trace, label, qps, a.seed)
                 s["routing"], s["hash_balance_factor"] = label, factor
                 runs.append(s)
+            if picker is not None:
+                picker.stop()
             single = run(FleetBackend(fleet.replicas[0].http_url, "single", False), trace, "one engine (direct)",
                          qps / REPLICAS, a.seed)
     data = {"command": bu.command_line(), "date": bu.now_iso(), "machine": bu.machine_info(1), "replicas": REPLICAS,
@@ -218,6 +233,12 @@ def render(data: dict) -> str:
               f"{aff['mean_latency_s'] / lr['mean_latency_s']:.2f}x ({'met' if aff['mean_latency_s'] <= 0.6 * lr['mean_latency_s'] else 'missed'}); "
               f"Envoy overhead <= 1 ms: {oh['paired_overhead_median_ms']:.3f} ms on the readiness GET "
               f"({'met' if oh['paired_overhead_median_ms'] <= 1 else 'missed'})."]
+    if "picker" in by:
+        pk = by["picker"]
+        lines += ["", f"The endpoint picker against affinity (Maglev, bounded 1.5x) on the same arrivals: mean "
+                  f"{pk['mean_latency_s'] / aff['mean_latency_s']:.2f}x, P99 {pk['p99_latency_s'] / aff['p99_latency_s']:.2f}x, "
+                  f"hit rate {pk['reported_hit_fraction']:.1%} vs {aff['reported_hit_fraction']:.1%} (one engine's "
+                  f"{single['reported_hit_fraction']:.1%}); issue 37's targets: P99 <= 0.7x, mean <= 0.8x, hit >= one engine's."]
     return "\n".join(lines) + "\n"
 
 
