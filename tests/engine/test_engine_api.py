@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from prefillonly import Engine, EngineConfig, InvalidRequestError, OverBudgetError, PromptTooLongError
 from prefillonly.errors import EngineClosedError
+from prefillonly.memory_probe import release_free_heap
 
 PROMPT = "Is the sky blue on a clear day? Answer:"
 
@@ -62,8 +64,15 @@ def test_the_engine_predicts_with_its_executors_kernels(default_engine):
 
 
 def test_peak_bytes_measured(default_engine):
+    # Earlier tests in this process left freed heap that is still resident; a forward that reuses
+    # it grows no RSS and measures 0. Trimming first (as the memory probe does) makes its buffers
+    # fault in fresh pages; where the allocator has no malloc_trim only the field is checked.
+    gc.collect()
+    trimmed = release_free_heap()
     r = default_engine.score(list(range(1000, 1600)), [" Yes"])
-    assert r.peak_bytes is not None and r.peak_bytes > 0
+    assert r.peak_bytes is not None
+    if trimmed:
+        assert r.peak_bytes > 0
 
 
 BAD_INPUTS = [

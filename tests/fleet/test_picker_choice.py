@@ -40,12 +40,19 @@ def test_the_prediction_is_the_replicas_jct_model_on_its_held_blocks_plus_its_ba
 
 
 def test_a_warm_replica_wins_until_its_backlog_costs_more_than_recomputing():
+    # cost = completion + work_weight x compute: recomputing the profile elsewhere also delays
+    # everyone queued behind it there, so a warm replica keeps the user past the point where a
+    # cold one would finish this request sooner, until its backlog outweighs that weighted work
     p = _picker(margin=0.0)
     keys = _keys("u", 64)  # 1,024 tokens: ~1.1 s cold here
     p.replicas["b"].held.record(keys)
     assert p.pick("u", keys, 64 * BLOCK + 1, now=1.0).replica == "b"
-    p.report("b", 5.0, COEF, at=2.0)  # b now has 5 s queued: a cold replica is faster
+    p.report("b", 5.0, COEF, at=2.0)  # a cold replica would finish sooner, but costs more work
     choice = p.pick("u", keys, 64 * BLOCK + 1, now=2.0)
+    assert choice.replica == "b" and choice.predicted_s["b"] > choice.predicted_s["a"]
+    cold = choice.predicted_s["a"]
+    p.report("b", (1 + p.work_weight) * cold + 1.0, COEF, at=3.0)  # now b's queue costs more
+    choice = p.pick("u", keys, 64 * BLOCK + 1, now=3.0)
     assert choice.replica != "b" and choice.predicted_s["b"] > choice.predicted_s[choice.replica]
 
 
