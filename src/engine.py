@@ -81,6 +81,7 @@ class Engine:
                                    budget=StepBudget(self.max_batch_tokens, self.memory), max_waiting=config.max_waiting,
                                    lambda_tokens_per_s=config.lambda_tokens_per_s)
         self._steps = 0
+        self._step_ends_at = 0.0  # monotonic time the running step is predicted to end (0: none runs)
         self._recent_steps: deque[StepRecord] = deque(maxlen=_RECENT_STEPS)
         self._cv = threading.Condition()  # guards the scheduler (and its counters), the step records and _closed
         self._closed = False
@@ -237,7 +238,8 @@ class Engine:
                 attention_backend=self.executor.kernels.attention, linear_backend=self.executor.kernels.linear,
                 cache=copy.copy(self.cache.stats) if self.cache else None,
                 cache_bytes_in_use=self.cache.bytes_in_use() if self.cache else {},
-                queued_work_s=self.scheduler.queued_work_s(), jct_coefficients=self.jct.coefficients)
+                queued_work_s=self.scheduler.queued_work_s() + max(0.0, self._step_ends_at - time.monotonic()),
+                jct_coefficients=self.jct.coefficients)
 
     def predict_peak_bytes(self, new_tokens: int, prefix_tokens: int = 0, inplace_attention: bool = False) -> int:
         """Predicted peak extra memory of computing `new_tokens` after `prefix_tokens` cached ones."""
@@ -300,6 +302,9 @@ class Engine:
                     if self._closed:
                         return
                     plan = self._schedule()
+                    # the queued work published to the fleet includes what is left of this step:
+                    # a replica busy on a long forward with nothing waiting is not idle
+                    self._step_ends_at = time.monotonic() + self.jct.predict_step(plan.shape) if plan else 0.0
                 self._deliver(plan.refused)
                 if plan or plan.moves:
                     self._step(plan, last_step_end)
@@ -325,6 +330,7 @@ class Engine:
         with self._cv:  # counters and the step record move before any answer is delivered: an
             # answer's callback may read stats() (or the metrics endpoint) the moment it runs
             answers = self.scheduler.finish(plan, outcome)
+            self._step_ends_at = 0.0
             if plan:
                 self._steps += 1
                 computed = plan.tokens if outcome.error is None else 0

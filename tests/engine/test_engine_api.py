@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import math
+import time
 
 import pytest
 import torch
@@ -163,3 +164,22 @@ def test_prompt_over_budget_runs_with_inplace_attention(tmp_path):
     with Engine(EngineConfig(**common, activation_budget_bytes=inplace // 2)) as e:
         with pytest.raises(OverBudgetError):
             e.score(prompt, [5, 17])
+
+
+def test_queued_work_counts_the_running_step_until_it_ends(default_engine):
+    # what the fleet picker reads: a replica computing a long forward with nothing waiting is busy
+    e = default_engine
+    assert e.stats().queued_work_s == 0.0
+    ids = torch.randint(100, 40000, (3000,), generator=torch.Generator().manual_seed(11)).tolist()
+    predicted = e.jct.predict(3000, 0)
+    future = e.submit(ids, [" Yes"])
+    seen = []
+    while not future.done():
+        stats = e.stats()
+        if stats.waiting == 0:
+            seen.append(stats.queued_work_s)
+        time.sleep(0.002)
+    future.result()
+    assert seen and max(seen) > 0.0  # the running step's rest, with nothing waiting
+    assert max(seen) <= predicted + 1e-6  # never more than the step's own prediction
+    assert e.stats().queued_work_s == 0.0  # and none once it has ended
