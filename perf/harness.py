@@ -43,12 +43,13 @@ MAX_CLIENT_THREADS = 512  # more in flight than this queue in the client (and co
 
 
 # -- schedule -----------------------------------------------------------------------------------
-def poisson_schedule(trace: wl.Trace, qps: float, seed: int | None = None) -> wl.Trace:
-    """The trace with Poisson user arrivals giving `qps` requests/s on average.
+def poisson_schedule(trace: wl.Trace, qps: float, seed: int | None = None, burst_mean: float = 1.0) -> wl.Trace:
+    """The trace with Poisson user arrivals giving `qps` requests/s on average (in bursts of
+    `burst_mean` users on average: workloads.with_poisson_arrivals).
 
     The one place a QPS level becomes arrival times: every system replays the result of this
-    call, so the same (trace, qps, seed) gives every system the same arrival times."""
-    return wl.with_poisson_arrivals(trace, wl.user_rate_for_qps(trace, qps), seed)
+    call, so the same (trace, qps, seed, burst_mean) gives every system the same arrival times."""
+    return wl.with_poisson_arrivals(trace, wl.user_rate_for_qps(trace, qps), seed, burst_mean)
 
 
 # -- outcomes -----------------------------------------------------------------------------------

@@ -172,9 +172,9 @@ class Workload:
     def prompt_tokens(self) -> int:
         return sum(r.prompt_tokens for r in self.requests)
 
-    def with_arrivals(self, qps: float) -> list[SimRequest]:
+    def with_arrivals(self, qps: float, burst_mean: float = 1.0) -> list[SimRequest]:
         rate = wl.user_rate_for_qps(self.skeleton, qps)
-        stamped = wl.with_poisson_arrivals(self.skeleton, rate)
+        stamped = wl.with_poisson_arrivals(self.skeleton, rate, burst_mean=burst_mean)
         return [dataclasses.replace(r, arrival_s=t.arrival_s) for r, t in zip(self.requests, stamped.requests)]
 
     def summary(self) -> str:
@@ -914,6 +914,12 @@ def plot(data: dict, path: Path) -> bool:
 
 # -- the fleet: Envoy's routing policies at paper scale ---------------------------------------------
 FLEET_SECTION = "## Fleet routing simulation"
+FLEET_SKEWED_SECTION = "## Fleet routing simulation, skewed users in bursts"
+FLEET_SKEWED_ROUTINGS = ("picker", "maglev_bounded", "least_request")  # the issue's comparison; the others are slow at this size
+
+
+def fleet_is_skewed(data: dict) -> bool:
+    return bool(data.get("posts_zipf")) or data.get("burst_mean", 1.0) != 1.0
 FLEET_ROUTINGS = ("picker", "maglev_bounded", "ring_hash_bounded", "least_request", "random")
 
 
@@ -932,14 +938,17 @@ def routing_moves(routing: str, engines: int, users: list) -> dict:
 
 
 def run_fleet(engines: int = 64, users: int = 20_000, posts_per_user: int = 4, cache_gib: float = 16.0, load: float = 0.8,
-              seed: int = 0, block_size: int = 256, mfu: float = 0.5, routings=FLEET_ROUTINGS, profile_mean: float = 14_000) -> dict:
+              seed: int = 0, block_size: int = 256, mfu: float = 0.5, routings=FLEET_ROUTINGS, profile_mean: float = 14_000,
+              posts_zipf: float = 0.0, burst_mean: float = 1.0) -> dict:
     """The post-recommendation trace from `users` users over `engines` H200 engines (8B cost
     model, `cache_gib` of prefix cache each), Poisson user arrivals at `load` x the fleet's
-    saturated rate, one run per routing policy on the same arrivals."""
+    saturated rate, one run per routing policy on the same arrivals. `posts_zipf` > 0: skewed
+    users (workloads.post_counts); `burst_mean` > 1: users arrive in bursts of that many on average."""
     cost = gpu_cost_model(mfu=mfu)
-    work = post_rec_workload(wl.PostRecScale(users=users, posts_per_user=posts_per_user, profile_mean=profile_mean), seed, block_size)
+    scale = wl.PostRecScale(users=users, posts_per_user=posts_per_user, profile_mean=profile_mean, posts_zipf=posts_zipf)
+    work = post_rec_workload(scale, seed, block_size)
     sat = saturated_qps(work, cost, engines)
-    reqs = work.with_arrivals(load * sat)
+    reqs = work.with_arrivals(load * sat, burst_mean)
     blocks = cache_blocks_for(cache_gib, cost, block_size)
     bu.log(f"fleet: {work.summary()}; {engines} engines, saturated {sat:.3g} req/s, offered {load:g}x; cache {blocks:,} blocks/engine")
     runs = []
@@ -955,15 +964,20 @@ def run_fleet(engines: int = 64, users: int = 20_000, posts_per_user: int = 4, c
     names = sorted({r.user for r in reqs})
     moves = [{"routing": routing, "engines": n, **routing_moves(routing, n, names)} for routing in HASHED for n in (3, engines)]
     return {"engines": engines, "users": users, "posts_per_user": posts_per_user, "requests": len(reqs), "cache_gib": cache_gib,
+            "posts_zipf": posts_zipf, "burst_mean": burst_mean, "max_posts_per_user": max(wl.post_counts(scale, seed)),
+            "arrival_span_s": max(r.arrival_s for r in reqs),
             "load": load, "saturated_qps": sat, "block_size": block_size, "cost_formula": cost.describe(),
             "ideal_hit_rate": 1 - perfect_cache_tokens(work) / work.prompt_tokens, "runs": runs, "moves": moves}
 
 
 def render_fleet(data: dict) -> str:
+    skew = (f" Skewed users: post counts Zipf (s = {data['posts_zipf']:g}), the hottest user {data['max_posts_per_user']:,} posts; "
+            f"users arrive in bursts of {data['burst_mean']:g} on average; arrivals span {data['arrival_span_s']:.0f} s."
+            if fleet_is_skewed(data) else "")
     lines = [f"Command: `{data['command']}` ({data['date']}; {bu.machine_line(data['machine'])}). {data['users']:,} users x {data['posts_per_user']} posts "
              f"({data['requests']:,} requests), {data['engines']} engines ({data['cost_formula']}), "
              f"{data['cache_gib']:g} GiB prefix cache each, Poisson users at {data['load']:g}x the fleet's saturated "
-             f"{data['saturated_qps']:.3g} req/s; hit rate with a perfect cache {data['ideal_hit_rate']:.1%}.", "",
+             f"{data['saturated_qps']:.3g} req/s; hit rate with a perfect cache {data['ideal_hit_rate']:.1%}.{skew}", "",
              "| routing | hit rate | mean latency s | P99 s | throughput req/s | load imbalance (max/mean) | users split over engines |",
              "|---|---|---|---|---|---|---|"]
     for r in data["runs"]:
@@ -1023,6 +1037,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fleet", action="store_true", help="only the fleet routing comparison (Envoy policies, 64 engines, 20K users)")
     p.add_argument("--fleet-users", type=int, default=20_000)
     p.add_argument("--fleet-engines", type=int, default=64)
+    p.add_argument("--fleet-zipf", type=float, default=0.0, help="--fleet with Zipf-skewed users (e.g. 1.0): its own section")
+    p.add_argument("--fleet-burst", type=float, default=1.0, help="--fleet with users arriving in bursts of this many on average")
     return p
 
 
@@ -1030,11 +1046,14 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
     if a.fleet:
-        data = run_fleet(engines=a.fleet_engines, users=a.fleet_users, seed=a.seed, mfu=a.mfu)
+        skewed = bool(a.fleet_zipf) or a.fleet_burst != 1.0
+        data = run_fleet(engines=a.fleet_engines, users=a.fleet_users, seed=a.seed, mfu=a.mfu, posts_zipf=a.fleet_zipf,
+                         burst_mean=a.fleet_burst, routings=FLEET_SKEWED_ROUTINGS if skewed else FLEET_ROUTINGS)
         data.update(command=bu.command_line(), date=bu.now_iso(), machine=bu.machine_info(1))
         if not a.no_write:
-            bu.save_json(bu.PERF_DIR / "results" / "simulate_fleet.json", data)
-            bu.replace_section(bu.PERF_DIR / "RESULTS.md", FLEET_SECTION, render_fleet(data))
+            name, section = ("simulate_fleet_skewed.json", FLEET_SKEWED_SECTION) if skewed else ("simulate_fleet.json", FLEET_SECTION)
+            bu.save_json(bu.PERF_DIR / "results" / name, data)
+            bu.replace_section(bu.PERF_DIR / "RESULTS.md", section, render_fleet(data))
         return 0
 
     every = default_scenarios(a.quick)

@@ -55,7 +55,7 @@ REQUEST_GAP_S = 0.1  # between consecutive requests of one user
 
 # Random streams: one per (workload, purpose), so lengths can be drawn without the ids.
 _WORKLOAD_KEYS = {"post_rec": 1, "credit": 2}
-_STREAM_LENGTHS, _STREAM_IDS, _STREAM_ARRIVALS = 0, 1, 2
+_STREAM_LENGTHS, _STREAM_IDS, _STREAM_ARRIVALS, _STREAM_POPULARITY = 0, 1, 2, 3
 
 
 # -- scales ------------------------------------------------------------------------------------
@@ -69,6 +69,9 @@ class PostRecScale:
     post_mean: float = 150
     post_std: float = 30
     post_clip: tuple[int, int] = (100, 200)
+    # 0: every user sends posts_per_user posts. s > 0: skewed users, the user of popularity rank r
+    # sends a share proportional to r^-s of users x posts_per_user posts (at least one): post_counts
+    posts_zipf: float = 0.0
 
     def profile_bounds(self) -> tuple[int, int]:
         lo, hi = self.profile_clip
@@ -132,6 +135,7 @@ class Trace:
     user_rate: float | None = None  # users/s of the stamped arrivals; None = offline
     arrival_seed: int | None = None
     format: str = field(default=TRACE_FORMAT)
+    arrival_burst_mean: float = 1.0  # users per burst of the stamped arrivals (1: plain Poisson)
 
     @property
     def prompt_tokens(self) -> int:
@@ -170,13 +174,29 @@ def random_ids(rng: np.random.Generator, n: int, low_id: int, vocab_size: int) -
 
 
 # -- post recommendation --------------------------------------------------------------------
-def post_rec_lengths(scale="cpu", seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(profile lengths [U], post lengths [U, K]) exactly as generate_post_rec draws them."""
+def post_counts(scale="cpu", seed: int = 0) -> list[int]:
+    """Posts per user: posts_per_user each, or (posts_zipf = s > 0) Zipf-skewed: popularity rank r
+    gets round(users x posts_per_user x r^-s / sum of k^-s), at least one; which user holds which
+    rank is a permutation from its own stream, so hot users are not all first to arrive."""
+    s = resolve_scale(scale, POST_REC_SCALES)
+    if not s.posts_zipf:
+        return [s.posts_per_user] * s.users
+    share = np.arange(1, s.users + 1, dtype=np.float64) ** -s.posts_zipf
+    by_rank = np.maximum(1, np.round(s.users * s.posts_per_user * share / share.sum())).astype(int)
+    counts = np.empty(s.users, dtype=int)
+    counts[_rng(seed, "post_rec", _STREAM_POPULARITY).permutation(s.users)] = by_rank
+    return counts.tolist()
+
+
+def post_rec_lengths(scale="cpu", seed: int = 0) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(profile lengths [U], each user's post lengths [its post count]) exactly as
+    generate_post_rec draws them (unskewed: the same draws as users x posts_per_user)."""
     s = resolve_scale(scale, POST_REC_SCALES)
     rng = _rng(seed, "post_rec", _STREAM_LENGTHS)
     profiles = clipped_normal_ints(rng, s.users, s.profile_mean, s.profile_rel_std * s.profile_mean, *s.profile_bounds())
-    posts = clipped_normal_ints(rng, s.users * s.posts_per_user, s.post_mean, s.post_std, *s.post_clip)
-    return profiles, posts.reshape(s.users, s.posts_per_user)
+    counts = post_counts(s, seed)
+    posts = clipped_normal_ints(rng, sum(counts), s.post_mean, s.post_std, *s.post_clip)
+    return profiles, np.split(posts, np.cumsum(counts)[:-1])
 
 
 def generate_post_rec(scale="cpu", seed: int = 0, **ids) -> Trace:
@@ -188,8 +208,8 @@ def generate_post_rec(scale="cpu", seed: int = 0, **ids) -> Trace:
         out = []
         for user in range(s.users):
             profile = draw(profile_lens[user])
-            for k in range(s.posts_per_user):
-                post = draw(post_lens[user, k])
+            for k, post_len in enumerate(post_lens[user]):
+                post = draw(post_len)
                 out.append(TraceRequest(f"u{user}/p{k}", user, k, profile + post + suffix, cache_prefix_len=len(profile)))
         return out
 
@@ -245,17 +265,30 @@ def user_rate_for_qps(trace: Trace, qps: float) -> float:
     return qps * trace.num_users / len(trace.requests)
 
 
-def with_poisson_arrivals(trace: Trace, user_rate: float, seed: int | None = None) -> Trace:
+def with_poisson_arrivals(trace: Trace, user_rate: float, seed: int | None = None, burst_mean: float = 1.0) -> Trace:
     """A copy of `trace` with arrival_s stamped: Poisson users (first at t = 0, in user order),
-    each user's requests REQUEST_GAP_S apart. The same seed and rate give the same times."""
+    each user's requests REQUEST_GAP_S apart. The same seed and rate give the same times.
+
+    burst_mean > 1: bursts of users at the same mean rate: groups of consecutive users (sizes
+    geometric with mean burst_mean) start together, the groups Poisson at user_rate / burst_mean."""
     if user_rate <= 0:
         raise ValueError(f"user_rate must be > 0, got {user_rate}")
+    if burst_mean < 1:
+        raise ValueError(f"burst_mean must be >= 1, got {burst_mean}")
     seed = trace.seed if seed is None else seed
     users = sorted({r.user for r in trace.requests})
-    gaps = _rng(seed, trace.workload, _STREAM_ARRIVALS).exponential(1.0 / user_rate, size=len(users))
-    starts = dict(zip(users, np.concatenate([[0.0], np.cumsum(gaps[1:])]).tolist()))
+    rng = _rng(seed, trace.workload, _STREAM_ARRIVALS)
+    if burst_mean == 1:
+        gaps = rng.exponential(1.0 / user_rate, size=len(users))
+        times = np.concatenate([[0.0], np.cumsum(gaps[1:])])
+    else:
+        sizes = rng.geometric(1.0 / burst_mean, size=len(users))  # enough groups for any draw
+        group = np.repeat(np.arange(len(users)), sizes)[: len(users)]
+        gaps = rng.exponential(burst_mean / user_rate, size=len(users))
+        times = np.concatenate([[0.0], np.cumsum(gaps[1:])])[group]
+    starts = dict(zip(users, times.tolist()))
     requests = [dataclasses.replace(r, arrival_s=starts[r.user] + REQUEST_GAP_S * r.index_in_user) for r in trace.requests]
-    return dataclasses.replace(trace, requests=requests, user_rate=user_rate, arrival_seed=seed)
+    return dataclasses.replace(trace, requests=requests, user_rate=user_rate, arrival_seed=seed, arrival_burst_mean=burst_mean)
 
 
 def arrival_order(trace: Trace) -> list[TraceRequest]:

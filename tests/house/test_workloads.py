@@ -38,7 +38,7 @@ def test_lengths_match_the_full_generators():
     suffix = len(wl.POST_REC_SUFFIX_IDS)
     for r in trace.requests:
         assert r.cache_prefix_len == profiles[r.user]
-        assert len(r.prompt_token_ids) == profiles[r.user] + posts[r.user, r.index_in_user] + suffix
+        assert len(r.prompt_token_ids) == profiles[r.user] + posts[r.user][r.index_in_user] + suffix
     credit = wl.generate_credit("cpu", seed=3)
     assert [len(r.prompt_token_ids) - len(wl.CREDIT_SUFFIX_IDS) for r in credit.requests] == wl.credit_lengths("cpu", 3).tolist()
 
@@ -48,7 +48,7 @@ def test_post_rec_length_distributions_paper_mu():
     scale = wl.PostRecScale(users=40_000, posts_per_user=2, profile_mean=14_000)
     profiles, posts = wl.post_rec_lengths(scale, seed=0)
     check_clipped_normal(profiles, 14_000, 2_800, 9_800, 18_200)  # N(μ, 0.2μ) in [0.7μ, 1.3μ]
-    check_clipped_normal(posts.ravel(), 150, 30, 100, 200)
+    check_clipped_normal(np.concatenate(posts), 150, 30, 100, 200)
 
 
 def test_credit_length_distribution_paper_mu():
@@ -61,7 +61,7 @@ def test_presets_have_the_design_sizes():
         s = wl.POST_REC_SCALES[name]
         assert (s.users, s.posts_per_user, s.profile_mean) == (users, posts, mu)
         profiles, post_lens = wl.post_rec_lengths(name, seed=0)
-        assert profiles.shape == (users,) and post_lens.shape == (users, posts)
+        assert profiles.shape == (users,) and [len(p) for p in post_lens] == [posts] * users
     for name, (r, mu) in {"cpu": (4, 6000), "paper": (60, 50000)}.items():
         s = wl.CREDIT_SCALES[name]
         assert (s.requests, s.length_mean) == (r, mu)
@@ -160,3 +160,51 @@ def test_load_refuses_other_json(tmp_path):
     path.write_text('{"requests": []}')
     with pytest.raises(ValueError, match="not a prefillonly-trace"):
         wl.load_trace(path)
+
+
+# -- skewed users and bursts (the fleet benchmark's and the fleet simulation's workload) ----------
+@pytest.mark.parametrize("zipf", [0.8, 1.0, 1.2])
+def test_zipf_post_counts_follow_the_ranks(zipf):
+    scale = wl.PostRecScale(users=500, posts_per_user=6, profile_mean=300, posts_zipf=zipf)
+    counts = wl.post_counts(scale, seed=2)
+    assert len(counts) == 500 and min(counts) >= 1
+    assert sum(counts) == pytest.approx(500 * 6, rel=0.1)  # the mean is kept (rounding, the floor of one)
+    by_rank = sorted(counts, reverse=True)
+    harmonic = sum(k ** -zipf for k in range(1, 501))
+    for rank in (1, 2, 10):  # the hot users hold their Zipf share
+        assert by_rank[rank - 1] == max(1, round(3000 * rank ** -zipf / harmonic))
+    assert counts != sorted(counts, reverse=True)  # ranks are spread over user ids, not in arrival order
+    assert wl.post_counts(scale, seed=2) == counts and wl.post_counts(scale, seed=3) != counts
+
+
+def test_zipf_trace_has_the_counts_and_unskewed_is_unchanged():
+    scale = wl.PostRecScale(users=12, posts_per_user=4, profile_mean=200, posts_zipf=1.0)
+    trace = wl.generate_post_rec(scale, seed=1)
+    per_user = [sum(1 for r in trace.requests if r.user == u) for u in range(12)]
+    assert per_user == wl.post_counts(scale, seed=1)
+    profiles, posts = wl.post_rec_lengths(scale, seed=1)
+    for r in trace.requests:
+        assert len(r.prompt_token_ids) == profiles[r.user] + posts[r.user][r.index_in_user] + len(wl.POST_REC_SUFFIX_IDS)
+    plain = wl.PostRecScale(users=12, posts_per_user=4, profile_mean=200)
+    assert wl.post_counts(plain) == [4] * 12
+    # posts_zipf = 0 draws exactly what users x posts_per_user always drew
+    _, flat = wl.post_rec_lengths(plain, seed=1)
+    rng = wl._rng(1, "post_rec", wl._STREAM_LENGTHS)
+    wl.clipped_normal_ints(rng, 12, 200, 40, *plain.profile_bounds())
+    assert np.concatenate(flat).tolist() == wl.clipped_normal_ints(rng, 48, 150, 30, 100, 200).tolist()
+
+
+def test_bursts_keep_the_rate_and_start_users_together():
+    trace = wl.generate_credit(wl.CreditScale(requests=20_000, length_mean=10), seed=0)
+    plain = wl.with_poisson_arrivals(trace, user_rate=4.0)
+    bursty = wl.with_poisson_arrivals(trace, user_rate=4.0, burst_mean=5.0)
+    assert bursty.arrival_burst_mean == 5.0 and plain.arrival_burst_mean == 1.0
+    starts = np.array([r.arrival_s for r in bursty.requests])
+    assert starts[0] == 0.0 and np.all(np.diff(starts) >= 0)  # users still arrive in order
+    groups = np.split(starts, np.flatnonzero(np.diff(starts) > 0) + 1)
+    sizes = np.array([len(g) for g in groups])
+    assert sizes.mean() == pytest.approx(5.0, rel=0.05)  # geometric sizes, mean 5
+    assert starts[-1] / len(starts) == pytest.approx(0.25, rel=0.05)  # the same users/s as without bursts
+    assert starts[-1] / len(starts) == pytest.approx(plain.requests[-1].arrival_s / len(starts), rel=0.05)
+    with pytest.raises(ValueError, match="burst_mean"):
+        wl.with_poisson_arrivals(trace, user_rate=4.0, burst_mean=0.5)
