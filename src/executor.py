@@ -235,7 +235,8 @@ class HybridPrefillExecutor:
         spans = [self._span_logprobs(ws, r, s) if s.logprob_rows else None for r, s in zip(batch.row_starts, seqs)]
         for s, sink, span in zip(seqs, sinks, spans):
             if sink is not None and span is not None:  # kept with the blocks: a later span there skips the LM head
-                sink.store_span(span.values(), s.prefix_tokens + s.new_tokens - 1 - s.logprob_rows)
+                # row j predicts token first + 1 + j, and is kept with that token (cache/kv_pool.py)
+                sink.store_span(span.values(), s.prefix_tokens + s.new_tokens - s.logprob_rows)
         return BatchOutput(logits=logits, captured=[c.captured if c else None for c in captures], spans=spans)
 
     def _rope_pieces(self, batch: ForwardBatch, chunks: list[tuple[int, int]]) -> dict:
@@ -381,10 +382,12 @@ class HybridPrefillExecutor:
 
 def _read_cached_span(seq: Sequence, first: int, targets: torch.Tensor, out: SpanLogprobs) -> list[int]:
     """Fill `out` at the span's positions whose values the prefix kept (only the best token is kept:
-    top k <= 1 only); the span offsets left for the LM head, ascending."""
+    top k <= 1 only); the span offsets left for the LM head, ascending. Row j predicts token
+    first + 1 + j, whose value the prefix holds while that token is in it: every cached position
+    but the last (whose next token is the first computed one)."""
     n = seq.logprob_rows
-    m = min(n, seq.prefix_tokens - first) if seq.logprob_top_k <= 1 else 0
-    cached = seq.prefix.span_values(first, m) if m > 0 else None
+    m = min(n, seq.prefix_tokens - first - 1) if seq.logprob_top_k <= 1 else 0
+    cached = seq.prefix.span_values(first + 1, m) if m > 0 else None
     if cached is None:
         return list(range(n))
     cached = cached.cpu()

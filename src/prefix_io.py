@@ -4,8 +4,8 @@ The executor asks a *source* to fill the first P positions of each layer's K/V b
 (cached prefix) and offers each layer's freshly computed K/V, and after the last layer the new
 positions' final hidden states and a logprob span's values, to a *sink* (blocks to keep); a
 logprob span over prefix positions reads their hidden states, and where kept their span values
-(each position's own next token's logprob, the best token's logprob and id: [n, 3] float32, NaN
-where unknown), from the source.
+(the prediction for each token, kept with that token: its logprob, the best token's logprob and
+id: [n, 3] float32, NaN where unknown), from the source.
 PrefixKV is the plain in-memory form (a list of per-layer tensors), used for multi-item
 scoring's shared prompt and in tests; the prefix cache (cache/prefix_cache.py) implements
 pool-backed ones.
@@ -34,8 +34,8 @@ class PrefixSource(Protocol):
         logprob span over cached positions); a source without them raises."""
 
     def span_values(self, start: int, n: int) -> torch.Tensor | None:
-        """[n, 3] float32 span values of prefix positions [start, start + n), NaN where unknown;
-        None if this source keeps none."""
+        """[n, 3] float32 span values of prefix tokens [start, start + n) (each the prediction for
+        that token, made at the position before it), NaN where unknown; None if this source keeps none."""
 
 
 class KVSink(Protocol):
@@ -45,8 +45,8 @@ class KVSink(Protocol):
     def store_hidden(self, rows: torch.Tensor, first_position: int) -> None:
         """Take what it keeps of the final hidden states of positions [first_position, + len(rows))."""
 
-    def store_span(self, values: torch.Tensor, first_position: int) -> None:
-        """Take what it keeps of a logprob span's values ([n, 3]) at positions [first_position, + n)."""
+    def store_span(self, values: torch.Tensor, first_token: int) -> None:
+        """Take what it keeps of a logprob span's values ([n, 3]) for tokens [first_token, + n)."""
 
 
 @dataclass
@@ -87,7 +87,7 @@ class CaptureSink:
     def store_hidden(self, rows: torch.Tensor, first_position: int) -> None:
         pass  # a capture is K/V for items that follow it
 
-    def store_span(self, values: torch.Tensor, first_position: int) -> None:
+    def store_span(self, values: torch.Tensor, first_token: int) -> None:
         pass
 
 
@@ -105,6 +105,6 @@ class Sinks:
         for s in self.sinks:
             s.store_hidden(rows, first_position)
 
-    def store_span(self, values: torch.Tensor, first_position: int) -> None:
+    def store_span(self, values: torch.Tensor, first_token: int) -> None:
         for s in self.sinks:
-            s.store_span(values, first_position)
+            s.store_span(values, first_token)

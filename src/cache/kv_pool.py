@@ -6,17 +6,19 @@ so only one layer's prefix is ever materialised outside the pool. h: [slots, blo
 (hidden_size > 0): each position's final hidden state (the residual stream after the last layer,
 before the final norm), so that a logprob span starting inside cached blocks needs no recompute:
 the LM head runs on these rows. span: [slots, block_size, 3] float32 (with h): where a logprob
-span computed them, each position's own next token's logprob, its most likely token's logprob and
-that token's id (exact as a float below 2**24), so a span over cached positions skips the LM head
-there; NaN where unknown. A block's last position keeps NaN: its next token is the next block's
-first, which the block's hash does not fix (a later prompt may follow it with another).
+span computed them, the prediction *for* each token, kept with that token: its logprob given every
+token before it, the most likely token's logprob there and that token's id (exact as a float below
+2**24), so a span over cached positions skips the LM head; NaN where unknown (a prompt's first
+token, positions no span covered). Kept with the predicted token, not the predicting position, so
+that every value depends only on tokens inside the block's chain, which its hash fixes: a block's
+first token's value is read whenever the block is, and no block position stays unknown.
 """
 
 from __future__ import annotations
 
 import torch
 
-SPAN_VALUES = 3  # per position: own next token's logprob, the best token's logprob, the best token's id
+SPAN_VALUES = 3  # per token: its logprob, the best token's logprob there, the best token's id
 SPAN_VALUE_BYTES = SPAN_VALUES * 4  # float32 each
 
 
@@ -78,12 +80,12 @@ class KVPool:
         return rows[start - first * b : start - first * b + n]
 
     def write_span(self, slots: torch.Tensor, start: int, values: torch.Tensor) -> None:
-        """values [n, SPAN_VALUES] of positions [start, start + n) counted from the first slot's first
-        position; every block's last position is left unknown (see the module docstring)."""
+        """values [n, SPAN_VALUES] of tokens [start, start + n) counted from the first slot's first
+        position (each token's value: the prediction for it, see the module docstring); the slots'
+        other positions become unknown."""
         b = self.block_size
         flat = self.span.new_full((slots.shape[0] * b, SPAN_VALUES), float("nan"))
         flat[start : start + values.shape[0]] = values.to(flat.device)
-        flat[b - 1 :: b] = float("nan")
         self.span.index_copy_(0, slots, flat.view(-1, b, SPAN_VALUES))
 
     def copy_slot(self, src_slot: int, dst: "KVPool", dst_slot: int) -> None:

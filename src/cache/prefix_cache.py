@@ -6,8 +6,8 @@ Per request:
     cache.commit(ticket)  (or cache.abort(ticket) if the forward failed)
 
 A block keeps its positions' K/V of every layer, their final hidden states (a logprob span
-over cached positions runs the LM head on those) and, where a span computed them, their own next
-token's logprob and the best token (a later span with top k <= 1 reads these instead). Only whole blocks inside the keep boundary (`keep_len`: by default the whole prompt, or the
+over cached positions runs the LM head on those) and, where a span computed them, each token's
+logprob and the best token at its position (a later span with top k <= 1 reads these instead). Only whole blocks inside the keep boundary (`keep_len`: by default the whole prompt, or the
 request's `cache_prefix_len`) are written to the pool; every other token's K/V lives only in
 the executor's per-layer buffers (suffix discard). Blocks that find no room are dropped
 (overflow is never an error). At least one token is always computed, so a fully cached prompt
@@ -67,11 +67,11 @@ class _PoolSink:
         """rows: the final hidden states of positions [first_position, first_position + len(rows))."""
         self.pool.write_hidden(self.slots, rows[self.start - first_position : self.end - first_position])
 
-    def store_span(self, values: torch.Tensor, first_position: int) -> None:
-        """values [n, SPAN_VALUES]: a logprob span's values at positions [first_position, + n)."""
-        a, b = max(first_position, self.start), min(first_position + values.shape[0], self.end)
+    def store_span(self, values: torch.Tensor, first_token: int) -> None:
+        """values [n, SPAN_VALUES]: a logprob span's values for tokens [first_token, + n)."""
+        a, b = max(first_token, self.start), min(first_token + values.shape[0], self.end)
         if a < b:
-            self.pool.write_span(self.slots, a - self.start, values[a - first_position : b - first_position])
+            self.pool.write_span(self.slots, a - self.start, values[a - first_token : b - first_token])
 
 
 class PrefixCache:

@@ -189,10 +189,11 @@ def test_a_scored_prompt_leaves_what_a_later_span_needs(default_engine):
 
 
 def test_cached_positions_read_their_kept_values_and_skip_the_lm_head(default_engine, hf_default, monkeypatch):
-    """A span with top k <= 1 over cached blocks reads each position's kept logprob and best token
-    (the LM head runs only on the blocks' last positions, whose next token the block does not fix,
-    and on the computed ones); a second prompt that shares the blocks but follows them with other
-    tokens gets its own values at the boundary, equal to its cold run and to transformers."""
+    """A span with top k <= 1 over cached blocks reads each cached token's kept logprob and best
+    token, a block's first token included (the LM head runs only on the last cached position,
+    whose next token is the first computed one, and on the computed ones); a second prompt that
+    shares the blocks but follows them with other tokens gets its own values at the boundary,
+    equal to its cold run and to transformers."""
     block = default_engine.config.cache_block_size
     vocab = default_engine.spec.vocab_size
     shared = _random_ids(vocab, 2 * block, 11)
@@ -206,7 +207,7 @@ def test_cached_positions_read_their_kept_values_and_skip_the_lm_head(default_en
     rows.clear()
     warm = default_engine.prompt_logprobs(second, top_k=1, cache_namespace="span-values")
     assert warm.cached_tokens == 2 * block
-    assert sum(rows) == 2 + (len(second) - 1 - 2 * block) + 1  # two block ends, the computed positions, the last
+    assert sum(rows) == 1 + (len(second) - 1 - 2 * block) + 1  # the last cached position, the computed ones, the last
     ref = hf_position_logprobs(hf_default, second)
     want = [float(ref[i - 1, second[i]]) for i in range(1, len(second))]
     assert max(abs(a - b) for a, b in zip(warm.token_logprobs, want)) <= 1e-4
@@ -214,14 +215,15 @@ def test_cached_positions_read_their_kept_values_and_skip_the_lm_head(default_en
     assert warm.greedy == cold.greedy and [[t.id for t in r] for r in warm.top_k] == [[t.id for t in r] for r in cold.top_k]
     best = [float(ref[i - 1].max()) for i in range(1, len(second))]
     assert max(abs(r[0].logprob - b) for r, b in zip(warm.top_k, best)) <= 1e-4
-    # Positions inside the blocks (not a block's last) are read back, so they are the first run's values bit
-    # for bit; a recompute would differ in the last bits (other GEMM shapes).
-    read = [i for i in range(2 * block - 1) if (i + 1) % block]
+    # Every cached position but the last is read back (a block's last one too: the value is kept with the
+    # next block's first token), so they are the first run's values bit for bit; a recompute would differ
+    # in the last bits (other GEMM shapes).
+    read = list(range(2 * block - 1))
     assert [warm.token_logprobs[i] for i in read] == [kept.token_logprobs[i] for i in read]
     assert [warm.top_k[i][0].logprob for i in read] == [kept.top_k[i][0].logprob for i in read]
     rows.clear()
     no_top = default_engine.prompt_logprobs(second, start=5, cache_namespace="span-values")  # top k 0 reads them too
-    assert sum(rows) == 2 + (len(second) - 1 - 2 * block) + 1
+    assert sum(rows) == 1 + (len(second) - 1 - 2 * block) + 1
     assert no_top.token_logprobs == warm.token_logprobs[4:] and no_top.greedy == warm.greedy[4:]
 
 
