@@ -137,7 +137,8 @@ def inner_ours_offline(args) -> dict:
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(dtype=args.dtype, threads=args.threads, attention_backend=args.attention_backend,
                                  linear_backend=getattr(args, "linear_backend", "auto"),
-                                 max_input_len=longest if longest > 8192 else None, max_batch_tokens=args.max_batch_tokens))
+                                 max_input_len=longest if longest > 8192 else None, max_batch_tokens=args.max_batch_tokens,
+                                 **({"cache_block_size": args.cache_block_size} if getattr(args, "cache_block_size", None) else {})))
     load_s = time.perf_counter() - t0
     allowed = trace.allowed_token_ids
     warm = wl.random_ids(np.random.default_rng(12345), WARMUP_TOKENS, trace.low_id, trace.vocab_size)
@@ -874,6 +875,7 @@ def build_parser() -> argparse.ArgumentParser:
             q.add_argument("--attention-backend", default="auto")
             q.add_argument("--linear-backend", default="auto")
             q.add_argument("--max-batch-tokens", type=int)
+            q.add_argument("--cache-block-size", type=int, help="the prefix cache's block size (default: EngineConfig's)")
     return p
 
 

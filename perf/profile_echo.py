@@ -83,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--block-size", type=int, default=None, help="the prefix cache's block size (default: EngineConfig's)")
     p.add_argument("--profile", action="store_true", help="run under the torch profiler, print its top ops")
     return p
 
@@ -90,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
-    with Engine(EngineConfig(dtype=args.dtype, threads=args.threads)) as engine:
+    blocks = {} if args.block_size is None else {"cache_block_size": args.block_size}
+    with Engine(EngineConfig(dtype=args.dtype, threads=args.threads, **blocks)) as engine:
         prompts = echo_prompts(engine, args.questions, args.passage_sentences)
         before = engine.stats()
         prof = profile_worker(engine) if args.profile else None

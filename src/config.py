@@ -59,7 +59,9 @@ class EngineConfig:
     linear_backend: str = field(default="auto", metadata={"help": "auto | aten | onednn: the layers' GEMMs (auto: onednn "
                                                                    "unless aten times >= 10% faster at start; aten off CPU)"})
     cache_budget_bytes: int | None = None  # prefix-KV pool; None = 20% of free memory at start; 0 = no cache
-    cache_block_size: int = 64  # tokens per cached block (the unit of prefix reuse)
+    # tokens per cached block (the unit of prefix reuse): a prompt's tail past its last whole cached block is
+    # recomputed, so small blocks reuse more (perf/RESULTS.md "Cache block size"); 16 as vLLM's GPU default
+    cache_block_size: int = 16
     cache_second_tier_bytes: int = 0  # blocks evicted from the pool go here (host memory); 0 = off
     max_items: int = DEFAULT_MAX_ITEMS  # most items one multi-item request may carry
     max_prompts_per_request: int | None = None  # most prompts (text_input values) in one server request; None = 64 or max_waiting if smaller

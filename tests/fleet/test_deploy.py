@@ -115,3 +115,15 @@ def test_front_door_refuses_bad_routing_settings():
     for bad in (dict(routing="sticky"), dict(affinity_lb="ROUND_ROBIN"), dict(hash_balance_factor=99), dict(retries=-1)):
         with pytest.raises(ValueError):
             FrontDoor(up, **bad)
+
+
+def test_the_picker_deployment_parses_with_the_replicas_block_size():
+    # the picker hashes prompts into the replicas' block keys: its --block-size must be the engine's
+    from prefillonly.config import EngineConfig
+    from prefillonly.serving.picker.__main__ import build_parser
+
+    docs = {(d["kind"], d["metadata"]["name"]): d for _, d in _documents()}
+    container = docs[("Deployment", "prefillonly-picker")]["spec"]["template"]["spec"]["containers"][0]
+    command = container.get("command", []) + container.get("args", [])
+    args = build_parser().parse_args(command[command.index("prefillonly.serving.picker") + 1 :])
+    assert args.block_size == EngineConfig.default_of("cache_block_size")

@@ -96,3 +96,12 @@ def test_held_blocks_are_an_lru_chain_of_bounded_size():
     held.record(["z"])
     assert len(held) == 3 and held.leading(["b"]) == 0 and held.leading(["a"]) == 1
     assert held.leading(["a", "x", "z"]) == 1  # a chain: the first miss ends the match
+
+
+def test_the_pickers_default_block_size_is_the_engines():
+    # the picker hashes a prompt into the engine's block keys: another block size would match nothing
+    from prefillonly.config import EngineConfig
+    from prefillonly.serving.picker.__main__ import DEFAULT_BLOCK_SIZE, build_parser
+
+    assert DEFAULT_BLOCK_SIZE == EngineConfig.default_of("cache_block_size")
+    assert build_parser().parse_args(["--dns", "replicas"]).block_size == DEFAULT_BLOCK_SIZE

@@ -15,7 +15,8 @@ from .choice import DEFAULT_STICK_MARGIN_S, Picker
 from .service import DnsMembers, Members, PickerState, servicer
 
 DEFAULT_REPORT_INTERVAL_S = 0.1
-DEFAULT_BLOCK_SIZE = 64  # EngineConfig.cache_block_size's default (tests/fleet/test_picker_choice.py checks)
+DEFAULT_BLOCK_SIZE = 16  # EngineConfig.cache_block_size's default (tests/fleet/test_picker_choice.py checks)
+DEFAULT_CACHE_BLOCKS = 16384  # 262,144 tokens of prefix cache per replica
 # the seconds per token assumed of a replica before it reports a JCT fit (SmolLM2-135M on a 2-core
 # CPU runs ~2,000-3,000 tokens/s; a GPU replica reports its fit within a few requests)
 DEFAULT_FALLBACK_S_PER_TOKEN = 4e-4
@@ -32,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replica-metrics-port", type=int, default=8002, help="with --dns: the replicas' metrics port")
     p.add_argument("--report-interval-s", type=float, default=DEFAULT_REPORT_INTERVAL_S)
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="the replicas' prefix-cache block size")
-    p.add_argument("--cache-blocks", type=int, default=4096, help="each replica's prefix-cache size, in blocks")
+    p.add_argument("--cache-blocks", type=int, default=DEFAULT_CACHE_BLOCKS, help="each replica's prefix-cache size, in blocks")
     p.add_argument("--stick-margin-s", type=float, default=DEFAULT_STICK_MARGIN_S)
     p.add_argument("--fallback-s-per-token", type=float, default=DEFAULT_FALLBACK_S_PER_TOKEN)
     p.add_argument("--decisions-log", default=None, help="append every decision here (JSON lines)")
