@@ -99,7 +99,9 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
         linear = max(0, linear - attention)
     chunks = -(-s // plan.chunk)
     pieces = (chunks + b - 1) * spec.rope_tables  # chunk x sequence intersections, each with its own RoPE tables
-    last_rows = b * (spec.hidden_size * 2 * e + spec.vocab_size * (e + 4)) if b > 1 else spec.vocab_size * (e + 4)
+    # the last rows' logits in the model dtype and their float32 copy (none in float32: .float() is the same tensor)
+    logit = e + (4 if e != 4 else 0)
+    last_rows = b * (spec.hidden_size * 2 * e + spec.vocab_size * logit) if b > 1 else spec.vocab_size * logit
     return dict(
         workspace=plan.nbytes(),
         linear=linear,

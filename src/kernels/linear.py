@@ -1,4 +1,5 @@
-"""The layers' projections (QKV, o_proj, gate/up, down): y = x @ W.T (+ b) on the host's best GEMM.
+"""The layers' projections (QKV, o_proj, gate/up, down) and the LM head: y = x @ W.T (+ b) on the
+host's best GEMM.
 
 Backends (EngineConfig.linear_backend):
   "aten"    torch.matmul / addmm into the workspace's preallocated buffers (out=). On CPU fp32
