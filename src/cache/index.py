@@ -20,6 +20,7 @@ memory on CUDA). Invariants:
 from __future__ import annotations
 
 import itertools
+from collections.abc import Container
 from dataclasses import dataclass
 
 
@@ -90,6 +91,20 @@ class PrefixIndex:
             mid = (lo + hi + 1) // 2
             b = self.blocks.get(hashes[mid - 1])
             if b is not None and b.ready:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def held_length(self, hashes: list[bytes], pending: Container[bytes] = ()) -> int:
+        """How many leading hashes are held: cached, or reserved by a running step that is computing
+        them, or in `pending` (blocks the caller knows will be kept before it matters); a binary
+        search, since both the index and a `pending` made of chains' prefixes are prefix-closed."""
+        lo, hi = 0, len(hashes)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            h = hashes[mid - 1]
+            if h in self.blocks or h in pending:
                 lo = mid
             else:
                 hi = mid - 1

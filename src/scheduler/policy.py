@@ -103,9 +103,21 @@ class Scheduler:
         return self.estimator.predict(*self.split(req, cached_tokens))
 
     def queued_work_s(self) -> float:
-        """Seconds of work waiting: the sum of every waiting request's own estimate against the
-        cache as it is now (what a replica publishes to the fleet's picker)."""
-        return sum(self.estimate(r) for r in self._waiting)
+        """Seconds of work waiting, as it will run (what a replica publishes to the fleet's picker):
+        each waiting request's estimate against the cache as it will be by then. Blocks cached now,
+        being computed by the running step, or kept by an earlier waiting request count as cached:
+        a user's posts queued behind the request computing its profile are warm work. (Each counted
+        against the cache as it is now, a hot user's burst of posts made its replica look several
+        times busier than it was, and the picker sent everyone else away: perf/RESULTS.md.)"""
+        if not self.block_size:
+            return sum(self.estimate(r) for r in self._waiting)
+        pending: set[bytes] = set()
+        total = 0.0
+        for r in sorted(self._waiting, key=lambda r: r.seq):  # arrival order: who computes a shared prefix first
+            held = self.prefix.held_blocks(r, pending)
+            total += self.estimate(r, held * self.block_size)
+            pending.update(r.block_hashes[held : r.kept_blocks])
+        return total
 
     def credit_s(self, arrived: float, now: float) -> float:
         """CSJF's starvation credit of a request that arrived at `arrived`, in seconds."""

@@ -14,6 +14,7 @@ that found no room in tier 1) is checked against the budgets as it really is, an
 
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import TYPE_CHECKING, Protocol
 
 from .plan import Schedulable
@@ -27,6 +28,10 @@ class PrefixView(Protocol):
 
     def cached_tokens(self, req: Schedulable) -> int:
         """Leading tokens of the request's (shared) prompt cached right now (no pinning)."""
+
+    def held_blocks(self, req: Schedulable, pending: Container[bytes] = ()) -> int:
+        """Leading blocks of the request's (shared) prompt cached or being computed by the running
+        step, or among `pending` (blocks that earlier waiting requests will keep)."""
 
     def begin(self, req: Schedulable) -> tuple[IndexTicket | None, list[Move]]:
         """Pin the cached prefix and reserve the blocks to keep; the data moves to execute first."""
@@ -42,6 +47,9 @@ class NoPrefixCache:
     block_size = 0
 
     def cached_tokens(self, req: Schedulable) -> int:
+        return 0
+
+    def held_blocks(self, req: Schedulable, pending: Container[bytes] = ()) -> int:
         return 0
 
     def begin(self, req: Schedulable) -> tuple[None, list]:
@@ -61,6 +69,9 @@ class IndexPrefixView:
 
     def cached_tokens(self, req: Schedulable) -> int:
         return self.index.match_length(req.block_hashes) * self.block_size
+
+    def held_blocks(self, req: Schedulable, pending: Container[bytes] = ()) -> int:
+        return self.index.held_length(req.block_hashes, pending)
 
     def begin(self, req: Schedulable) -> tuple[IndexTicket, list[Move]]:
         return self.index.begin(req.block_hashes, req.cache_tokens, req.kept_blocks * self.block_size)

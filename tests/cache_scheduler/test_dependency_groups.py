@@ -200,3 +200,39 @@ def test_shared_blocks_counts_the_common_chained_prefix():
     assert shared_blocks(a, b, 0, 3) == 3  # only up to what the leader keeps
     assert shared_blocks(a, keys("z", 5), 0, 5) == 0
     assert shared_blocks(a, a, 9, 10) == 1
+
+
+# -- the queued work a replica publishes to the fleet's picker -------------------------------------
+def test_queued_work_counts_a_users_queued_posts_warm_behind_the_one_computing_its_profile():
+    """A burst of one user's posts over an uncached profile is one cold profile plus warm posts, not
+    a cold profile per post; a profile that the running step is computing (its blocks reserved, not
+    yet committed) makes every waiting post over it warm; another user's profile stays cold."""
+    sched, index, _ = make("csjf")
+    est = sched.estimator
+    profile, other = keys("hot", 60), keys("other", 40)
+    posts = [request(profile, f"p{i}", 150) for i in range(6)]
+    for p in posts:
+        sched.add(p)
+    stranger = request(other, "s", 150)
+    sched.add(stranger)
+    cold = est.predict(60 * BLOCK + 150, 0)
+    warm = est.predict(150, 60 * BLOCK)  # each post's own blocks: 150 // 16 = 9 whole ones, none shared
+    alone = est.predict(40 * BLOCK + 150, 0)
+    assert sched.queued_work_s() == pytest.approx(cold + 5 * warm + alone)
+    # counted against the cache as it is now, every post would be cold: what the picker used to see
+    assert sum(sched.estimate(p) for p in posts) + sched.estimate(stranger) == pytest.approx(6 * cold + alone)
+    # the first post runs (its blocks reserved, the step not finished): the rest are warm behind it
+    plan = sched.schedule()
+    assert plan.members[0].request is posts[0]
+    assert sched.queued_work_s() == pytest.approx(5 * warm + alone)
+    index.commit(plan.members[0].ticket)
+    assert sched.queued_work_s() == pytest.approx(5 * warm + alone)
+
+
+def test_queued_work_without_shared_blocks_is_the_sum_of_the_estimates():
+    sched, _, _ = make("csjf")
+    rng = random.Random(3)
+    reqs = [request(keys(f"u{i}", rng.randrange(1, 40)), f"p{i}", rng.randrange(1, 300)) for i in range(30)]
+    for r in reqs:
+        sched.add(r)
+    assert sched.queued_work_s() == pytest.approx(sum(sched.estimate(r) for r in reqs))
