@@ -49,6 +49,7 @@ from prefillonly.serving.host.model_settings import copy_model_repository
 from prefillonly.serving.host.picker_process import PickerProcess, write_members
 
 SECTION = "## Fleet behind Envoy"
+SKEWED_SECTION = "## Fleet behind Envoy, skewed users in bursts"  # --zipf / --burst runs keep their own table
 REPO = bu.REPO_ROOT / "model_repository"
 OUT = bu.PERF_DIR / "results" / "fleet"
 # (label, routing, hash_balance_factor): the default affinity config first, then a looser bound;
@@ -133,8 +134,8 @@ def envoy_overhead(fleet: LocalFleet, n: int, seed: int) -> dict:
     return {"health": health, "scoring": scoring}
 
 
-def run(backend, trace: wl.Trace, label: str, qps: float | None, seed: int) -> dict:
-    stamped = harness.poisson_schedule(trace, qps, seed) if qps else wl.with_poisson_arrivals(trace, 1e9, seed)
+def run(backend, trace: wl.Trace, label: str, qps: float | None, seed: int, burst: float = 1.0) -> dict:
+    stamped = harness.poisson_schedule(trace, qps, seed, burst) if qps else wl.with_poisson_arrivals(trace, 1e9, seed)
     result = harness.run_open_loop(backend, stamped, label=label, qps=qps, progress_every=50, log=bu.log)
     s = harness.summarize(result)
     s["label"], s["per_replica"] = label, dict(sorted(backend.replicas.items()))
@@ -153,13 +154,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-mean", type=float, default=1000)
     p.add_argument("--load", type=float, default=0.8, help="multiple of the fleet's saturated rate")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--zipf", type=float, default=0.0, help="skewed users: post counts Zipf with this exponent (e.g. 1.0; 0: uniform)")
+    p.add_argument("--burst", type=float, default=1.0, help="users arrive in bursts of this many on average (1: plain Poisson)")
+    p.add_argument("--policies", default=",".join(label for label, _, _ in POLICIES),
+                   help="comma list of the routing policies to run (labels as in the table); affinity is always run")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     users = a.users or (9 if a.quick else 24)
-    scale = wl.PostRecScale(users=users, posts_per_user=a.posts if not a.quick else 3, profile_mean=a.profile_mean)
+    scale = wl.PostRecScale(users=users, posts_per_user=a.posts if not a.quick else 3, profile_mean=a.profile_mean,
+                            posts_zipf=a.zipf)
+    wanted = {"affinity"} | {s.strip() for s in a.policies.split(",") if s.strip()}
+    unknown = wanted - {label for label, _, _ in POLICIES}
+    if unknown:
+        raise SystemExit(f"unknown --policies {sorted(unknown)}; choose from {[label for label, _, _ in POLICIES]}")
+    policies = [p for p in POLICIES if p[0] in wanted]
     trace = wl.generate_post_rec(scale, a.seed)
     bu.log(f"trace: {len(trace.requests)} requests from {users} users, {sum(len(r.prompt_token_ids) for r in trace.requests):,} tokens")
     t0 = time.perf_counter()
@@ -173,32 +184,35 @@ def main(argv: list[str] | None = None) -> int:
             sat = run(FleetBackend(fleet.http_url, "sat", True), trace, "saturation (affinity, all at once)", None, a.seed)
             qps = a.load * sat["throughput_rps"]
             runs, picker = [], None
-            for k, (label, routing, factor) in enumerate(POLICIES):
+            for k, (label, routing, factor) in enumerate(policies):
                 if label == "picker":
                     picker = _start_picker(fleet, Path(tmp))
                 if k:  # the same replicas, Envoy reconfigured
                     fleet.proxy.stop()
                     fleet.proxy = EnvoyProxy(_front(fleet, routing, factor, picker.address if picker else None)).start().wait_ready()
                 backend = FleetBackend(fleet.http_url, f"run{k}", header=routing == "affinity")
-                s = run(backend, trace, label, qps, a.seed)
+                s = run(backend, trace, label, qps, a.seed, a.burst)
                 s["routing"], s["hash_balance_factor"] = label, factor
                 runs.append(s)
             if picker is not None:
                 picker.stop()
             single = run(FleetBackend(fleet.replicas[0].http_url, "single", False), trace, "one engine (direct)",
-                         qps / REPLICAS, a.seed)
+                         qps / REPLICAS, a.seed, a.burst)
     data = {"command": bu.command_line(), "date": bu.now_iso(), "machine": bu.machine_info(1), "replicas": REPLICAS,
             "trace": {"users": users, "posts_per_user": scale.posts_per_user, "profile_mean": scale.profile_mean,
-                      "requests": len(trace.requests)},
+                      "requests": len(trace.requests), "posts_zipf": a.zipf, "burst_mean": a.burst,
+                      "max_posts_per_user": max(wl.post_counts(scale, a.seed))},
             "overhead": overhead, "saturation": sat, "offered_qps": qps, "load": a.load, "runs": runs, "single_engine": single,
             "wall_s": time.perf_counter() - t0}
     if a.quick:
         print(render(data))
         return 0
     OUT.mkdir(parents=True, exist_ok=True)
-    bu.save_json(OUT / "fleet.json", data)
-    bu.replace_section(bu.PERF_DIR / "RESULTS.md", SECTION, render(data))
-    bu.log("wrote perf/results/fleet/fleet.json and the RESULTS.md section")
+    skewed = bool(a.zipf) or a.burst != 1.0
+    name, section = ("fleet_skewed.json", SKEWED_SECTION) if skewed else ("fleet.json", SECTION)
+    bu.save_json(OUT / name, data)
+    bu.replace_section(bu.PERF_DIR / "RESULTS.md", section, render(data))
+    bu.log(f"wrote perf/results/fleet/{name} and the RESULTS.md section {section!r}")
     return 0
 
 
@@ -206,14 +220,16 @@ def render(data: dict) -> str:
     m, t = data["machine"], data["trace"]
     o, oh = data["overhead"]["scoring"], data["overhead"]["health"]
     by = {r["routing"]: r for r in data["runs"]}
-    aff, lr = by["affinity"], by["least_request"]
+    aff, lr = by["affinity"], by.get("least_request")
     single = data["single_engine"]
     lines = [
         f"Command: `{data['command']}` ({data['date']}; {bu.machine_line(m)}). {data['replicas']} tritonserver replicas "
         f"(default model, float32, 1 thread each) behind Envoy 1.40 on one host; post-recommendation trace, {t['users']} "
         f"users x {t['posts_per_user']} posts (profiles ~{t['profile_mean']:.0f} tokens), {t['requests']} requests; "
         f"Poisson users at {data['load']:g}x the fleet's saturated {data['saturation']['throughput_rps']:.3g} req/s "
-        f"(affinity, whole trace at once) = {data['offered_qps']:.3g} req/s, same arrivals for every policy.", "",
+        f"(affinity, whole trace at once) = {data['offered_qps']:.3g} req/s, same arrivals for every policy."
+        + (f" Skewed users: post counts Zipf (s = {t['posts_zipf']:g}, the hottest user {t['max_posts_per_user']} posts), users "
+           f"arriving in bursts of {t.get('burst_mean', 1):g} on average." if t.get("posts_zipf") or t.get("burst_mean", 1) != 1 else ""), "",
         "| routing | throughput req/s | mean s | P99 s | fleet hit rate | requests per replica | imbalance | errors |",
         "|---|---|---|---|---|---|---|---|"]
     for r in data["runs"] + [dict(single, routing="one engine, direct (1/3 of the rate)")]:
@@ -229,9 +245,10 @@ def render(data: dict) -> str:
               f"dominates this one).", "",
               "Targets: affinity's hit rate within 5 points of one engine's: "
               f"{aff['reported_hit_fraction']:.1%} vs {single['reported_hit_fraction']:.1%} ({gap:+.1f} points below: "
-              f"{'met' if gap <= 5 else 'missed'}); mean latency <= 0.6x least-request's: "
-              f"{aff['mean_latency_s'] / lr['mean_latency_s']:.2f}x ({'met' if aff['mean_latency_s'] <= 0.6 * lr['mean_latency_s'] else 'missed'}); "
-              f"Envoy overhead <= 1 ms: {oh['paired_overhead_median_ms']:.3f} ms on the readiness GET "
+              f"{'met' if gap <= 5 else 'missed'}); "
+              + (f"mean latency <= 0.6x least-request's: {aff['mean_latency_s'] / lr['mean_latency_s']:.2f}x "
+                 f"({'met' if aff['mean_latency_s'] <= 0.6 * lr['mean_latency_s'] else 'missed'}); " if lr else "")
+              + f"Envoy overhead <= 1 ms: {oh['paired_overhead_median_ms']:.3f} ms on the readiness GET "
               f"({'met' if oh['paired_overhead_median_ms'] <= 1 else 'missed'})."]
     if "picker" in by:
         pk = by["picker"]
