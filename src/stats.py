@@ -54,7 +54,7 @@ class EngineStats:
     linear_backend: str = ""  # what its GEMMs run on (linear_backend "auto" resolved at start)
     cache: CacheStats | None = None  # the prefix cache's counters (a copy); None without a cache
     cache_bytes_in_use: dict[int, int] = field(default_factory=dict)  # tier -> bytes
-    queued_work_s: float = 0.0  # the waiting requests' own JCT estimates, summed, plus the running step's predicted rest (the fleet picker reads it)
+    queued_work_s: float = 0.0  # the running step's predicted rest + the waiting requests' work as it will run (Scheduler.queued_work_s; the fleet picker reads it)
     jct_coefficients: object = None  # the JCT fit (scheduler.jct.JctCoefficients), None before one exists
 
     @property

@@ -48,7 +48,7 @@ _METRICS = [
     ("prefillonly_jct_estimate_error", "GAUGE", "Mean absolute relative error of the JCT estimate", {
         (): lambda s: s.jct_mean_abs_rel_error or 0.0,
     }),
-    ("prefillonly_queued_work_seconds", "GAUGE", "Seconds of work waiting: the waiting requests' JCT estimates, summed", {
+    ("prefillonly_queued_work_seconds", "GAUGE", "Seconds of work queued: the running step's rest and the waiting requests' JCT estimates as they will run", {
         (): lambda s: s.queued_work_s,
     }),
     ("prefillonly_jct_coefficient", "GAUGE", "The fitted JCT model a + b*u + k*u*(u + 2c) (0 before a fit)", {
