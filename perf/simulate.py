@@ -78,7 +78,7 @@ from perf.envoy_hashing import EnvoyPlacement, classify_moves
 from prefillonly.cache.index import PrefixIndex
 from prefillonly.config import DEFAULT_MAX_BATCH_TOKENS, EngineConfig
 from prefillonly.errors import OverloadedError
-from prefillonly.serving.picker.choice import Picker
+from prefillonly.serving.picker.choice import DEFAULT_WORK_WEIGHT, Picker
 from prefillonly.scheduler import (DEFAULT_LAMBDA_TOKENS_PER_S, IndexPrefixView, JctEstimator, Scheduler, StepBudget, StepOutcome,
                                    WaitingRequest)
 
@@ -345,9 +345,9 @@ class PickerRouter:
     publish them to the live picker (staleness included)."""
 
     def __init__(self, engines: list, block_size: int, capacity_blocks: int, fallback_s_per_token: float,
-                 report_interval_s: float):
+                 report_interval_s: float, work_weight: float = DEFAULT_WORK_WEIGHT):
         self.engines, self.report_interval_s = engines, report_interval_s
-        self.picker = Picker(block_size, capacity_blocks, fallback_s_per_token)
+        self.picker = Picker(block_size, capacity_blocks, fallback_s_per_token, work_weight=work_weight)
         self.picker.set_members([e.eid for e in engines])
         self._next_report = 0.0
 
@@ -462,6 +462,7 @@ class SimConfig:
     routing: str = "user_hash"  # across engines: see Router
     hash_balance_factor: float = 1.5  # the hashed routings' bound, Envoy's hash_balance_factor / 100
     report_interval_s: float = 0.05  # routing "picker": how often the engines report their backlog
+    picker_work_weight: float = DEFAULT_WORK_WEIGHT  # routing "picker": the compute term's weight in its cost
 
 
 @dataclass
@@ -534,7 +535,7 @@ def simulate(requests: list[SimRequest], cost: CostModel, cfg: SimConfig, block_
     # arrival order; trace order breaks ties (the workloads' arrival_order does the same)
     arrivals = sorted(enumerate(requests), key=lambda ir: (ir[1].arrival_s, ir[0]))
     router = Router(cfg.routing, cfg.engines, np.random.default_rng(np.random.SeedSequence([cfg.seed, 5])), cfg.hash_balance_factor)
-    picker = (PickerRouter(engines, block_size, cache_blocks, fallback, cfg.report_interval_s)
+    picker = (PickerRouter(engines, block_size, cache_blocks, fallback, cfg.report_interval_s, cfg.picker_work_weight)
               if cfg.routing == "picker" else None)
     routes: dict = {}  # user -> the engines it was sent to
     done: list[tuple[float, int]] = []  # heap of (completion time, engine id)
@@ -939,12 +940,14 @@ def routing_moves(routing: str, engines: int, users: list) -> dict:
 
 def run_fleet(engines: int = 64, users: int = 20_000, posts_per_user: int = 4, cache_gib: float = 16.0, load: float = 0.8,
               seed: int = 0, block_size: int = 256, mfu: float = 0.5, routings=FLEET_ROUTINGS, profile_mean: float = 14_000,
-              posts_zipf: float = 0.0, burst_mean: float = 1.0) -> dict:
+              posts_zipf: float = 0.0, burst_mean: float = 1.0, cost: "CostModel | None" = None,
+              work_weight: float = DEFAULT_WORK_WEIGHT) -> dict:
     """The post-recommendation trace from `users` users over `engines` H200 engines (8B cost
     model, `cache_gib` of prefix cache each), Poisson user arrivals at `load` x the fleet's
     saturated rate, one run per routing policy on the same arrivals. `posts_zipf` > 0: skewed
-    users (workloads.post_counts); `burst_mean` > 1: users arrive in bursts of that many on average."""
-    cost = gpu_cost_model(mfu=mfu)
+    users (workloads.post_counts); `burst_mean` > 1: users arrive in bursts of that many on average.
+    `cost`: another engine model (e.g. the real fleet's CPU replicas); `work_weight`: the picker's."""
+    cost = cost or gpu_cost_model(mfu=mfu)
     scale = wl.PostRecScale(users=users, posts_per_user=posts_per_user, profile_mean=profile_mean, posts_zipf=posts_zipf)
     work = post_rec_workload(scale, seed, block_size)
     sat = saturated_qps(work, cost, engines)
@@ -953,7 +956,8 @@ def run_fleet(engines: int = 64, users: int = 20_000, posts_per_user: int = 4, c
     bu.log(f"fleet: {work.summary()}; {engines} engines, saturated {sat:.3g} req/s, offered {load:g}x; cache {blocks:,} blocks/engine")
     runs = []
     for routing in routings:
-        res = simulate(reqs, cost, SimConfig(policy="csjf", engines=engines, cache_blocks=blocks, seed=seed, routing=routing), block_size)
+        res = simulate(reqs, cost, SimConfig(policy="csjf", engines=engines, cache_blocks=blocks, seed=seed, routing=routing,
+                                             picker_work_weight=work_weight), block_size)
         out = res.summary(load * sat)
         out["routing"] = routing
         engines_per_user = Counter(u for e in res.engines for u in e["users"])
@@ -968,6 +972,24 @@ def run_fleet(engines: int = 64, users: int = 20_000, posts_per_user: int = 4, c
             "arrival_span_s": max(r.arrival_s for r in reqs),
             "load": load, "saturated_qps": sat, "block_size": block_size, "cost_formula": cost.describe(),
             "ideal_hit_rate": 1 - perfect_cache_tokens(work) / work.prompt_tokens, "runs": runs, "moves": moves}
+
+
+def sweep_work_weight(a) -> str:
+    """The picker at each of --fleet-work-weights against Maglev-bounded on the same arrivals (a
+    markdown table): how much of a fleet's gap the compute term's weight decides."""
+    cost = cpu_cost_model(per_token_s=a.fleet_cpu_per_token_s) if a.fleet_cpu_per_token_s else None
+    lines = [f"Command: `{bu.command_line()}` ({bu.now_iso()}).", "",
+             "| work weight | picker mean s | P99 s | hit | Maglev-bounded mean s | P99 s | hit | mean ratio | P99 ratio |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for w in (float(x) for x in a.fleet_work_weights.split(",")):
+        d = run_fleet(engines=a.fleet_engines, users=a.fleet_users, posts_per_user=a.fleet_posts, load=a.fleet_load, seed=a.seed,
+                      mfu=a.mfu, profile_mean=a.fleet_profile_mean, posts_zipf=a.fleet_zipf, burst_mean=a.fleet_burst,
+                      routings=("picker", "maglev_bounded"), block_size=DEFAULT_BLOCK, cost=cost, work_weight=w)
+        p, m = ({r["routing"]: r for r in d["runs"]}[k] for k in ("picker", "maglev_bounded"))
+        lines.append(f"| {w:g} | {p['mean_latency_s']:.3g} | {p['p99_latency_s']:.3g} | {p['hit_rate']:.1%} | {m['mean_latency_s']:.3g} | "
+                     f"{m['p99_latency_s']:.3g} | {m['hit_rate']:.1%} | {p['mean_latency_s'] / m['mean_latency_s']:.2f}x | "
+                     f"{p['p99_latency_s'] / m['p99_latency_s']:.2f}x |")
+    return "\n".join(lines)
 
 
 def render_fleet(data: dict) -> str:
@@ -1039,12 +1061,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fleet-engines", type=int, default=64)
     p.add_argument("--fleet-zipf", type=float, default=0.0, help="--fleet with Zipf-skewed users (e.g. 1.0): its own section")
     p.add_argument("--fleet-burst", type=float, default=1.0, help="--fleet with users arriving in bursts of this many on average")
+    p.add_argument("--fleet-posts", type=int, default=4, help="--fleet: posts per user (the mean, with --fleet-zipf)")
+    p.add_argument("--fleet-profile-mean", type=float, default=14_000, help="--fleet: profile tokens, mean")
+    p.add_argument("--fleet-load", type=float, default=0.8, help="--fleet: offered load, a multiple of the saturated rate")
+    p.add_argument("--fleet-cpu-per-token-s", type=float, default=None,
+                   help="--fleet on CPU replicas costing this many seconds a token (e.g. 3e-3: perf/bench_fleet.py's one-thread "
+                        "float32 replicas) instead of H200 engines")
+    p.add_argument("--fleet-work-weights", default=None,
+                   help="--fleet: comma list of picker work weights, one picker run each against Maglev-bounded (printed only)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
+    if a.fleet and a.fleet_work_weights:
+        print(sweep_work_weight(a))
+        return 0
     if a.fleet:
         skewed = bool(a.fleet_zipf) or a.fleet_burst != 1.0
         data = run_fleet(engines=a.fleet_engines, users=a.fleet_users, seed=a.seed, mfu=a.mfu, posts_zipf=a.fleet_zipf,
