@@ -33,7 +33,7 @@ from perf.bench_placement import place
 
 ROOT = Path(__file__).resolve().parents[2]
 REPO = ROOT / "model_repository"
-PROFILE, POST, BLOCK = 256, 20, 64  # tokens: a user's profile is 4 whole cache blocks
+PROFILE, POST, BLOCK = 256, 20, 64  # tokens: the cache's room is counted in 64-token units (4 a profile)
 ALLOWED = [9230, 2838]
 USERS_PER_REPLICA = 2
 # probe users for placement: with ring hash ~12% of the survivors' users would move on a failover,
@@ -60,8 +60,13 @@ def _generate(url: str, body: dict, header_user: str | None = None, timeout: flo
     return status, json.loads(raw or b"{}"), reply_headers.get(REPLICA_HEADER)
 
 
-def _body(ids: list[int], user: str) -> dict:
-    return {"input_ids": ids, "allowed_token_ids": ALLOWED, "user": user}
+def _body(ids: list[int], user: str, keep: int | None = None) -> dict:
+    """keep: the cache keeps at most these leading tokens (the profile, as post-rec requests ask), so the
+    room the fixture sizes holds profiles, not posts, whatever the engine's block size."""
+    body = {"input_ids": ids, "allowed_token_ids": ALLOWED, "user": user}
+    if keep is not None:
+        body["cache_prefix_len"] = keep
+    return body
 
 
 def _result(reply: dict) -> dict:
@@ -154,7 +159,7 @@ def test_affinity_keeps_each_user_on_one_replica_and_at_least_doubles_the_hit_ra
     gen = torch.Generator().manual_seed(3)
     for _ in range(8):  # rounds: every user's next request, users interleaved
         for u in users:
-            status, reply, header = _generate(fleet.http_url, _body(profiles[u] + torch.randint(10, 40000, (POST,), generator=gen).tolist(), u),
+            status, reply, header = _generate(fleet.http_url, _body(profiles[u] + torch.randint(10, 40000, (POST,), generator=gen).tolist(), u, PROFILE),
                                               header_user=u)
             assert status == 200, reply
             landed[u].add(_replica(fleet, header))
@@ -171,7 +176,7 @@ def test_affinity_keeps_each_user_on_one_replica_and_at_least_doubles_the_hit_ra
     fresh = _profiles(users, seed=4)  # profiles no cache holds yet
     for _ in range(8):
         for u in users:
-            status, reply, _ = _generate(fleet.http_url, _body(fresh[u] + torch.randint(10, 40000, (POST,), generator=gen).tolist(), u))
+            status, reply, _ = _generate(fleet.http_url, _body(fresh[u] + torch.randint(10, 40000, (POST,), generator=gen).tolist(), u, PROFILE))
             assert status == 200, reply
             without.append(reply)
     rate_with, rate_without = _hit_rate(with_header), _hit_rate(without)
@@ -187,7 +192,7 @@ def test_a_killed_replica_is_reaped_leaves_rotation_and_every_request_gets_one_a
     short = PROFILE // 2
     profiles = _profiles(users, seed=5, length=short)
     for u in users:  # cache each user's profile on its replica
-        assert _generate(fleet.http_url, _body(profiles[u] + [7] * POST, u), header_user=u)[0] == 200
+        assert _generate(fleet.http_url, _body(profiles[u] + [7] * POST, u, short), header_user=u)[0] == 200
     victim = 2
     server = fleet.replicas[victim]
     server_pid, stub_pids = server.pid, server.stub_pids()
@@ -200,7 +205,7 @@ def test_a_killed_replica_is_reaped_leaves_rotation_and_every_request_gets_one_a
         while not stop.is_set():
             n += 1
             t = time.monotonic()
-            status, reply, header = _generate(fleet.http_url, _body(profiles[u] + [n % 900 + 10] * POST, u), header_user=u)
+            status, reply, header = _generate(fleet.http_url, _body(profiles[u] + [n % 900 + 10] * POST, u, short), header_user=u)
             with lock:
                 answers.append((t, u, status, reply, header))
 
