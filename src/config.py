@@ -60,7 +60,7 @@ class EngineConfig:
                                                                    "unless aten times >= 10% faster at start; aten off CPU)"})
     cache_budget_bytes: int | None = None  # prefix-KV pool; None = 20% of free memory at start; 0 = no cache
     # tokens per cached block (the unit of prefix reuse): a prompt's tail past its last whole cached block is
-    # recomputed, so small blocks reuse more (perf/RESULTS.md "Cache block size"); 16 as vLLM's GPU default
+    # recomputed, so small blocks reuse more (perf/RESULTS.md "Evaluation harness: 16-token blocks, ..."); 16 as vLLM's GPU default
     cache_block_size: int = 16
     cache_second_tier_bytes: int = 0  # blocks evicted from the pool go here (host memory); 0 = off
     max_items: int = DEFAULT_MAX_ITEMS  # most items one multi-item request may carry

@@ -20,7 +20,7 @@ memory on CUDA). Invariants:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 
 
@@ -83,32 +83,20 @@ class PrefixIndex:
 
     # -- queries ------------------------------------------------------------------------
     def match_length(self, hashes: list[bytes]) -> int:
-        """How many leading hashes are cached (ready): a binary search, since ready blocks are
-        prefix-closed (a block is only ready while its parent is). The scheduler calls this for
-        every waiting request at every pick."""
-        lo, hi = 0, len(hashes)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            b = self.blocks.get(hashes[mid - 1])
-            if b is not None and b.ready:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        """How many leading hashes are cached (ready): ready blocks are prefix-closed (a block is
+        only ready while its parent is). The scheduler calls this for every waiting request at
+        every pick."""
+        def ready(h: bytes) -> bool:
+            b = self.blocks.get(h)
+            return b is not None and b.ready
+
+        return _leading(hashes, ready)
 
     def held_length(self, hashes: list[bytes], pending: Container[bytes] = ()) -> int:
         """How many leading hashes are held: cached, or reserved by a running step that is computing
-        them, or in `pending` (blocks the caller knows will be kept before it matters); a binary
-        search, since both the index and a `pending` made of chains' prefixes are prefix-closed."""
-        lo, hi = 0, len(hashes)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            h = hashes[mid - 1]
-            if h in self.blocks or h in pending:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        them, or in `pending` (blocks the caller knows will be kept before it matters); the index
+        and a `pending` made of chains' prefixes are both prefix-closed."""
+        return _leading(hashes, lambda h: h in self.blocks or h in pending)
 
     def match(self, hashes: list[bytes]) -> list[Block]:
         """The cached (ready) blocks of the longest matching prefix, in order."""
@@ -318,3 +306,16 @@ class PrefixIndex:
             candidates[b.hash] = b
         else:
             candidates.pop(b.hash, None)
+
+
+def _leading(hashes: list[bytes], present: Callable[[bytes], bool]) -> int:
+    """How many leading hashes are `present`, for a prefix-closed predicate (if a chain's key is
+    present, so is every key before it): a binary search."""
+    lo, hi = 0, len(hashes)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if present(hashes[mid - 1]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

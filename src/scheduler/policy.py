@@ -113,7 +113,7 @@ class Scheduler:
             return sum(self.estimate(r) for r in self._waiting)
         pending: set[bytes] = set()
         total = 0.0
-        for r in sorted(self._waiting, key=lambda r: r.seq):  # arrival order: who computes a shared prefix first
+        for r in self._waiting:  # in arrival order (only appended to): who computes a shared prefix first
             held = self.prefix.held_blocks(r, pending)
             total += self.estimate(r, held * self.block_size)
             pending.update(r.block_hashes[held : r.kept_blocks])
