@@ -283,8 +283,7 @@ class HybridPrefillExecutor:
         spec = self.spec
         normed = torch.empty_like(rows)
         self.ops.rms_norm_into(normed, rows, self.weights.final_norm, spec.rms_norm_eps, ws["scratch32"][: rows.shape[0], : spec.hidden_size])
-        head = self.weights.lm_head_packed if self.weights.lm_head_packed is not None else self.weights.lm_head
-        logits = linear(None, normed, head, None).float()
+        logits = linear(None, normed, self.weights.lm_head, None).float()
         if spec.final_softcap is not None:
             logits = torch.tanh(logits.div_(spec.final_softcap)).mul_(spec.final_softcap)
         return logits

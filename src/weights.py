@@ -56,32 +56,29 @@ class ModelWeights:
     embed: torch.Tensor  # [vocab, d]
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [d]
-    lm_head: torch.Tensor  # [vocab, d]; the same tensor as embed when tied
-    # the LM head in the linear backend's layout (pack_linears: oneDNN's, its own copy even when tied,
-    # since the embedding lookup reads the plain rows); None: lm_head as it is
-    lm_head_packed: torch.Tensor | None = None
+    # [vocab, d]; the same tensor as embed when tied, until pack_linears gives it the linear backend's
+    # layout (then its own copy when tied: the embedding lookup reads the plain rows)
+    lm_head: torch.Tensor
 
     def nbytes(self) -> int:
         """Bytes of every weight tensor (packed ones as packed), a tied head counted once."""
-        tensors = [self.embed, self.final_norm, self.lm_head] + ([self.lm_head_packed] if self.lm_head_packed is not None else [])
+        tensors = [self.embed, self.final_norm, self.lm_head]
         tensors += [t for layer in self.layers for t in vars(layer).values() if t is not None]
         key = lambda t: t.untyped_storage().data_ptr() if t.layout == torch.strided else id(t)  # noqa: E731
         return sum(weight_nbytes(t) for t in {key(t): t for t in tensors}.values())
 
     def pack_linears(self, backend: str) -> "ModelWeights":
         """Every layer's projection weights in the layout `backend` reads (kernels.linear.pack),
-        in place, one at a time (the plain tensor is dropped once packed), and the LM head's
-        packed copy (a logprob span runs it on every scored position: oneDNN's packed GEMM was
-        1.2-1.4x aten's on SmolLM2's head at 64-256 rows, perf/RESULTS.md); returns self."""
+        in place, one at a time (the plain tensor is dropped once packed), and the LM head likewise
+        (a logprob span runs it on every scored position: oneDNN's packed GEMM was 1.2-1.4x aten's
+        on SmolLM2's head at 64-256 rows, perf/RESULTS.md); returns self."""
         for layer in self.layers:
             for name in _PROJECTIONS:
                 w = getattr(layer, name)
                 if w.layout == torch.strided:
                     setattr(layer, name, pack(w, backend))
-        if self.lm_head_packed is None and backend == "onednn":
-            self.lm_head_packed = pack(self.lm_head, backend)
-            if self.lm_head is not self.embed:  # untied: the plain copy has no other reader
-                self.lm_head = self.lm_head_packed
+        if self.lm_head.layout == torch.strided:  # onednn: a copy when tied (the embedding keeps the plain rows)
+            self.lm_head = pack(self.lm_head, backend)
         return self
 
     @classmethod
