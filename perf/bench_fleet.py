@@ -22,6 +22,11 @@ cache large enough for every profile):
 4. The same trace on one engine (a replica queried directly) at a quarter of the rate: the hit
    rate a single engine gets on it, which affinity should match (the target: within 5 points).
 
+--replica-cores X puts each replica in a CPU slice of its own (perf/cpu_slices.py: a cgroup quota
+of X cores), so the replicas behave as separate machines instead of sharing the host's cores;
+Envoy, the picker and the load generator run in what is left. The picker run's decision log is
+kept beside the JSON (perf/results/fleet/<name>_picker_decisions.jsonl).
+
 Writes perf/results/fleet/fleet.json and the "## Fleet behind Envoy" section of
 perf/RESULTS.md.
 """
@@ -29,6 +34,7 @@ perf/RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
@@ -40,6 +46,7 @@ from pathlib import Path
 
 from clients.transport import http_generate, json_body, post, result_documents, routing_headers
 from perf import benchutil as bu
+from perf.cpu_slices import CpuSlices
 from perf import harness
 from perf import workloads as wl
 from prefillonly.serving.host.envoy_config import REPLICA_HEADER, FrontDoor, Upstream
@@ -156,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--zipf", type=float, default=0.0, help="skewed users: post counts Zipf with this exponent (e.g. 1.0; 0: uniform)")
     p.add_argument("--burst", type=float, default=1.0, help="users arrive in bursts of this many on average (1: plain Poisson)")
+    p.add_argument("--replica-cores", type=float, default=None,
+                   help="each replica in a CPU slice of this many cores (a cgroup quota; needs root), e.g. 0.55")
     p.add_argument("--policies", default=",".join(label for label, _, _ in POLICIES),
                    help="comma list of the routing policies to run (labels as in the table); affinity is always run")
     return p
@@ -173,11 +182,19 @@ def main(argv: list[str] | None = None) -> int:
     policies = [p for p in POLICIES if p[0] in wanted]
     trace = wl.generate_post_rec(scale, a.seed)
     bu.log(f"trace: {len(trace.requests)} requests from {users} users, {sum(len(r.prompt_token_ids) for r in trace.requests):,} tokens")
+    skewed = bool(a.zipf) or a.burst != 1.0
+    name, section = ("fleet_skewed", SKEWED_SECTION) if skewed else ("fleet", SECTION)
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
+    slices = CpuSlices(a.replica_cores) if a.replica_cores else None  # fails here, before minutes of set-up
+    decisions, throttled = None, None
+    with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp, slices or contextlib.nullcontext():
         repo = copy_model_repository(REPO, Path(tmp) / "repo", dtype="float32", threads="1")
         with LocalFleet(repo, replicas=REPLICAS, log_dir=Path(tmp)).start() as fleet:
             bu.log(f"fleet up in {time.perf_counter() - t0:.0f} s")
+            if slices:
+                for i, replica in enumerate(fleet.replicas):
+                    moved = slices.add(f"replica-{i}", replica.pid)
+                    bu.log(f"replica {i}: {len(moved)} processes in a {a.replica_cores:g}-core CPU slice")
             overhead = envoy_overhead(fleet, 12 if a.quick else 60, a.seed)
             bu.log(f"Envoy hop: paired median {overhead['health']['paired_overhead_median_ms']:.3f} ms on a readiness GET, "
                    f"{overhead['scoring']['paired_overhead_median_ms']:.2f} ms on a short scoring request")
@@ -196,23 +213,26 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(s)
             if picker is not None:
                 picker.stop()
+                decisions = (Path(tmp) / "picker-decisions.jsonl").read_text()
             single = run(FleetBackend(fleet.replicas[0].http_url, "single", False), trace, "one engine (direct)",
                          qps / REPLICAS, a.seed, a.burst)
+            throttled = slices.throttled_s() if slices else None
     data = {"command": bu.command_line(), "date": bu.now_iso(), "machine": bu.machine_info(1), "replicas": REPLICAS,
             "trace": {"users": users, "posts_per_user": scale.posts_per_user, "profile_mean": scale.profile_mean,
                       "requests": len(trace.requests), "posts_zipf": a.zipf, "burst_mean": a.burst,
                       "max_posts_per_user": max(wl.post_counts(scale, a.seed))},
+            "replica_cores": a.replica_cores, "throttled_s": throttled,
             "overhead": overhead, "saturation": sat, "offered_qps": qps, "load": a.load, "runs": runs, "single_engine": single,
             "wall_s": time.perf_counter() - t0}
     if a.quick:
         print(render(data))
         return 0
     OUT.mkdir(parents=True, exist_ok=True)
-    skewed = bool(a.zipf) or a.burst != 1.0
-    name, section = ("fleet_skewed.json", SKEWED_SECTION) if skewed else ("fleet.json", SECTION)
-    bu.save_json(OUT / name, data)
+    bu.save_json(OUT / f"{name}.json", data)
+    if decisions is not None:
+        (OUT / f"{name}_picker_decisions.jsonl").write_text(decisions)
     bu.replace_section(bu.PERF_DIR / "RESULTS.md", section, render(data))
-    bu.log(f"wrote perf/results/fleet/{name} and the RESULTS.md section {section!r}")
+    bu.log(f"wrote perf/results/fleet/{name}.json and the RESULTS.md section {section!r}")
     return 0
 
 
@@ -222,9 +242,12 @@ def render(data: dict) -> str:
     by = {r["routing"]: r for r in data["runs"]}
     aff, lr = by["affinity"], by.get("least_request")
     single = data["single_engine"]
+    slice_note = (f", each in a CPU slice of {data['replica_cores']:g} cores (a cgroup quota; held back "
+                  + ", ".join(f"{s:.0f}" for s in data["throttled_s"].values()) + " s by it over the whole bench)"
+                  if data.get("replica_cores") else "")
     lines = [
         f"Command: `{data['command']}` ({data['date']}; {bu.machine_line(m)}). {data['replicas']} tritonserver replicas "
-        f"(default model, float32, 1 thread each) behind Envoy 1.40 on one host; post-recommendation trace, {t['users']} "
+        f"(default model, float32, 1 thread each{slice_note}) behind Envoy 1.40 on one host; post-recommendation trace, {t['users']} "
         f"users x {t['posts_per_user']} posts (profiles ~{t['profile_mean']:.0f} tokens), {t['requests']} requests; "
         f"Poisson users at {data['load']:g}x the fleet's saturated {data['saturation']['throughput_rps']:.3g} req/s "
         f"(affinity, whole trace at once) = {data['offered_qps']:.3g} req/s, same arrivals for every policy."
