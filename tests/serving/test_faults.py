@@ -56,7 +56,10 @@ def serve_options(repo, **kw) -> ServeOptions:
 def supervised(folder, model, probe_interval_s: float = 1.0):
     """The serve stack as `scripts/serve.sh` runs it (Envoy + supervised Triton and the scoring
     frontend, its watchdog running), on the small model."""
-    repo = copy_model_repository(REPO, folder / "repo", models=("prefillonly",), model=model, dtype="float32", threads="1")
+    # aten: the GEMM library fixed, so the numbers equal an in-process engine's (linear_backend "auto"
+    # picks by timing, and where two libraries are close two processes may pick differently)
+    repo = copy_model_repository(REPO, folder / "repo", models=("prefillonly",), model=model, dtype="float32", threads="1",
+                                 linear_backend="aten")
     sup = Supervisor(serve_options(repo, probe_interval_s=probe_interval_s, probe_timeout_s=60), say=lambda m: None)
     stop = threading.Event()
     try:

@@ -24,9 +24,10 @@ PROMPT = "Is the sky blue on a clear day? Answer:"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, small_served_model):
-    # fp32 and one thread on both sides, so that the server's numbers equal an in-process Engine's
+    # fp32, one thread and the aten GEMMs on both sides, so that the server's numbers equal an in-process
+    # Engine's (linear_backend "auto" picks by timing, and two processes may pick differently)
     repo = copy_model_repository(REPO, tmp_path_factory.mktemp("server") / "repo", model=small_served_model,
-                                 dtype="float32", threads="1")
+                                 dtype="float32", threads="1", linear_backend="aten")
     with running_server(repo, ready_timeout=180) as s:
         yield s
 
@@ -35,7 +36,7 @@ def server(tmp_path_factory, small_served_model):
 def engine(small_served_model):
     from prefillonly import Engine, EngineConfig
 
-    with Engine(EngineConfig(model=small_served_model, dtype="float32", threads=1)) as e:
+    with Engine(EngineConfig(model=small_served_model, dtype="float32", threads=1, linear_backend="aten")) as e:
         yield e
 
 
