@@ -28,7 +28,8 @@ def fleet(tmp_path_factory, small_served_model):
     repo = copy_model_repository(REPO, tmp_path_factory.mktemp("picker-fleet") / "repo", model=small_served_model,
                                  dtype="float32", threads="1")
     logs = tmp_path_factory.mktemp("picker-fleet-logs")
-    options = {"report_interval_s": 0.1, "decisions_log": logs / "decisions.jsonl"}
+    # two gRPC workers: fewer than the requests in flight in the concurrent test below
+    options = {"report_interval_s": 0.1, "decisions_log": logs / "decisions.jsonl", "workers": 2}
     with LocalFleet(repo, replicas=3, log_dir=logs, picker=True, picker_options=options).start() as f:
         f.decisions_path = options["decisions_log"]
         yield f
@@ -59,6 +60,22 @@ def test_each_request_goes_where_the_picker_decided(fleet):
         assert len(decisions) == before + 1, decisions[before:]  # one decision per request
         assert replica == decisions[-1]["destination"], (replica, decisions[-1])
     assert len({d["destination"] for d in _decisions(fleet)}) >= 2  # spread, not one replica for all
+
+
+def test_more_requests_in_flight_than_picker_workers_are_all_picked(fleet):
+    """Each ext_proc stream must free its worker once the request is routed, not when the request
+    ends: with 2 workers and 9 requests computing at once, a held worker would make the later
+    streams wait past Envoy's 0.2 s message timeout and go to Maglev, undecided."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    before = len(_decisions(fleet))
+    users = [f"burst-{i}" for i in range(9)]
+    with ThreadPoolExecutor(len(users)) as pool:  # ~2K-token prompts: each computes for a while
+        answers = list(pool.map(lambda iu: _ask(fleet, _profile(500 + iu[0], 2000) + [5], iu[1]), enumerate(users)))
+    assert all(status == 200 for status, _, _ in answers), answers
+    decided = {d["user"]: d["destination"] for d in _decisions(fleet)[before:]}
+    assert sorted(decided) == users, f"picked {sorted(decided)}; the rest fell back to Maglev"
+    assert [replica for _, _, replica in answers] == [decided[u] for u in users]
 
 
 def test_a_users_requests_stay_together_and_hit_its_cache(fleet):

@@ -38,11 +38,11 @@ class PickerProcess(LoggedProcess):
 
     def __init__(self, members_file: str | os.PathLike, port: int = 0, *, report_interval_s: float | None = None,
                  cache_blocks: int | None = None, decisions_log: str | os.PathLike | None = None,
-                 log_path: str | os.PathLike | None = None):
+                 workers: int | None = None, log_path: str | os.PathLike | None = None):
         super().__init__()
         self.members_file, self.port = str(members_file), port
         self.options = {"--report-interval-s": report_interval_s, "--cache-blocks": cache_blocks,
-                        "--decisions-log": decisions_log}
+                        "--decisions-log": decisions_log, "--workers": workers}
         self._wanted_log = log_path
 
     def start(self) -> "PickerProcess":
