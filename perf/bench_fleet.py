@@ -1,7 +1,7 @@
 """Fleet benchmark: 3 real tritonserver replicas behind a real Envoy on this host,
 the post-recommendation trace from many users, one command:
 
-    .venv/bin/python -m perf.bench_fleet            # ~6-8 min on 2 cores
+    .venv/bin/python -m perf.bench_fleet            # ~6-8 min on 2 cores (skewed, with the picker: ~35 min)
     .venv/bin/python -m perf.bench_fleet --quick    # fewer users, a smoke run (no RESULTS.md)
 
 Steps, all on the same 3 replicas (the default model, float32, one thread each, a prefix
@@ -280,8 +280,9 @@ def render(data: dict) -> str:
                   f"{pk['mean_latency_s'] / aff['mean_latency_s']:.2f}x, P99 {pk['p99_latency_s'] / aff['p99_latency_s']:.2f}x, "
                   f"hit rate {pk['reported_hit_fraction']:.1%} vs {aff['reported_hit_fraction']:.1%} (one engine's "
                   f"{single['reported_hit_fraction']:.1%}); issue 37's targets: P99 <= 0.7x, mean <= 0.8x, hit >= one engine's."
-                  + (f" The picker decided {data['picker_decided']} of the run's {pk['requests']} requests (the rest went by "
-                     f"Envoy's fallback, Maglev, after its 0.2 s message timeout)." if data.get("picker_decided") is not None else "")]
+                  + (f" The picker decided {data['picker_decided']} of the run's {pk['requests']} requests"
+                     + (" (the rest went by Envoy's fallback, Maglev, after its 0.2 s message timeout)."
+                        if data["picker_decided"] < pk["requests"] else ".") if data.get("picker_decided") is not None else "")]
     return "\n".join(lines) + "\n"
 
 
