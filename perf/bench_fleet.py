@@ -46,9 +46,9 @@ from pathlib import Path
 
 from clients.transport import http_generate, json_body, post, result_documents, routing_headers
 from perf import benchutil as bu
-from perf.cpu_slices import CpuSlices
 from perf import harness
 from perf import workloads as wl
+from perf.cpu_slices import CpuSlices
 from prefillonly.serving.host.envoy_config import REPLICA_HEADER, FrontDoor, Upstream
 from prefillonly.serving.host.envoy import EnvoyProxy
 from prefillonly.serving.host.fleet import LocalFleet

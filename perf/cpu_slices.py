@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from prefillonly.serving.host.process import process_group
+
 PERIOD_US = 100_000
 V1_ROOT = Path("/sys/fs/cgroup/cpu")
 V2_ROOT = Path("/sys/fs/cgroup")
@@ -37,19 +39,6 @@ def _controller_root() -> tuple[Path, str]:
         return V2_ROOT, "v2"
     raise CpuSlicesUnavailable("no cgroup cpu controller found (neither /sys/fs/cgroup/cpu nor cpu in "
                                "/sys/fs/cgroup/cgroup.subtree_control)")
-
-
-def process_group(pgid: int) -> list[int]:
-    """Every live process whose process group is `pgid` (a server and the stubs it started)."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # gone meanwhile
-        if int(fields[2]) == pgid:  # after the state and the ppid
-            pids.append(int(stat.parent.name))
-    return sorted(pids)
 
 
 class CpuSlices:

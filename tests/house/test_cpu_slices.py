@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from perf.cpu_slices import CpuSlices, CpuSlicesUnavailable, process_group
+from perf.cpu_slices import CpuSlices, CpuSlicesUnavailable
+from prefillonly.serving.host.process import process_group, stat_fields
 
 BUSY = "import time\nend = time.monotonic() + {s}\nwhile time.monotonic() < end: pass\n"
 # a leader that starts a busy child in its own process group, then is busy itself
@@ -34,7 +35,7 @@ def stop_group(leader: subprocess.Popen) -> None:
 
 
 def cpu_seconds(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    fields = stat_fields(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 

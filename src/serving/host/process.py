@@ -3,7 +3,7 @@
 The common half of TritonServer (triton_server.py) and EnvoyProxy (envoy.py): spawning, the log and
 its tail, signals to the whole group (Triton's Python stubs go with it), readiness polling, and an
 atexit net so that a crashed test or script never leaves a server or proxy behind. Also what /proc
-tells of other processes (process_alive, child_pids, process_name). Standard library only.
+tells of other processes (stat_fields, process_alive, process_group, child_pids, process_name). Standard library only.
 """
 
 from __future__ import annotations
@@ -56,13 +56,29 @@ def http_status(url: str, timeout: float = 2.0) -> int:
         return 0
 
 
+def stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state, ppid, pgrp, ...; the name may hold
+    spaces and parentheses, so it is cut at the last ")"); None if the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def process_alive(pid: int) -> bool:
     """Running (not gone, not a zombie waiting to be reaped)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
+    fields = stat_fields(pid)
+    return bool(fields) and fields[0] not in ("Z", "X")
+
+
+def process_group(pgid: int) -> list[int]:
+    """Every live process whose process group is `pgid` (a server and the stubs it started)."""
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        fields = stat_fields(entry.name)
+        if fields and int(fields[2]) == pgid:  # after the state and the ppid
+            pids.append(int(entry.name))
+    return sorted(pids)
 
 
 def child_pids(pid: int) -> list[int]:
