@@ -18,7 +18,7 @@ from .errors import PrefillOnlyError
 # The EngineConfig settings `score` takes as flags (--chunk-size for chunk_size), in --help order;
 # each flag's default and help come from the field.
 _ENGINE_FLAGS = ("model", "dtype", "device", "chunk_size", "max_input_len", "activation_budget_bytes", "threads",
-                 "attention_backend", "linear_backend", "cache_dir")
+                 "attention_backend", "linear_backend", "head_dtype", "cache_dir")
 
 
 def _engine_flag(p: argparse.ArgumentParser, name: str) -> None:

@@ -23,6 +23,7 @@ from .errors import ConfigError
 from .hardware import resolve_dtype
 from .kernels.attention import BACKENDS
 from .kernels.linear import LINEAR_BACKENDS
+from .kernels.score_head import HEAD_DTYPES
 from .limits import DEFAULT_MAX_ITEMS, default_max_prompts
 from .paths import default_cache_dir
 from .scheduler.policy import DEFAULT_LAMBDA_TOKENS_PER_S, DEFAULT_MAX_WAITING, POLICIES
@@ -58,6 +59,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # one of kernels.attention.BACKENDS: auto | cpu_flash | triton | sdpa | flash_attn
     linear_backend: str = field(default="auto", metadata={"help": "auto | aten | onednn: the layers' GEMMs (auto: onednn "
                                                                    "unless aten times >= 10% faster at start; aten off CPU)"})
+    head_dtype: str = field(default="float32", metadata={"help": "float32 | model: the dtype of the logits that become scores "
+                                                                 "(float32: from the model dtype's operands with float32 sums, "
+                                                                 "never rounded to bf16; model: the model dtype's GEMM, then a cast)"})
     cache_budget_bytes: int | None = None  # prefix-KV pool; None = 20% of free memory at start; 0 = no cache
     # tokens per cached block (the unit of prefix reuse): a prompt's tail past its last whole cached block is
     # recomputed, so small blocks reuse more (perf/RESULTS.md "Evaluation harness: 16-token blocks, ..."); 16 as vLLM's GPU default
@@ -125,6 +129,9 @@ class EngineConfig:
         self.linear_backend = str(self.linear_backend or "auto").lower()
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ConfigError(f"linear_backend {self.linear_backend!r} unknown; choose one of {', '.join(LINEAR_BACKENDS)}")
+        self.head_dtype = _DTYPE_ALIASES.get(str(self.head_dtype or "float32").lower(), str(self.head_dtype or "float32").lower())
+        if self.head_dtype not in HEAD_DTYPES:
+            raise ConfigError(f"head_dtype {self.head_dtype!r} unknown; choose one of {', '.join(HEAD_DTYPES)}")
         if self.model is not None and not os.path.isdir(str(self.model)):
             raise ConfigError(f"model folder {self.model!r} does not exist (leave model unset for the default SmolLM2)")
 

@@ -92,11 +92,12 @@ class Engine:
         self._worker = threading.Thread(target=self._serve, name="prefillonly-engine", daemon=True)
         self._worker.start()
         log.info(
-            "engine ready: %s (%s, %d layers) %s on %s, chunk %s, attention %s, linear %s, max input %d, "
+            "engine ready: %s (%s, %d layers) %s on %s, chunk %s, attention %s, linear %s, score head %s, max input %d, "
             "prefix cache %.1f MiB in blocks of %d (+%.1f MiB second tier), activation budget %.1f MiB, "
             "scheduling %s, up to %d tokens per step, %.1f s",
             self.model_path, self.spec.architecture, self.spec.num_layers, config.dtype, self.device,
-            config.chunk_size or "none", self.executor.kernels.attention, self.executor.kernels.linear, self.max_input_len,
+            config.chunk_size or "none", self.executor.kernels.attention, self.executor.kernels.linear,
+            self.executor.kernels.score_head, self.max_input_len,
             cache_bytes / 2**20, config.cache_block_size, config.cache_second_tier_bytes / 2**20,
             self.activation_budget_bytes / 2**20, config.scheduling_policy, self.max_batch_tokens, time.perf_counter() - t0,
         )
@@ -107,7 +108,8 @@ class Engine:
         config, spec = self.config, self.spec
         weights = ModelWeights.load(self.model_path, spec, self.dtype, self.device)
         kernels = KernelBackend.choose(self.device, self.dtype, spec.head_dim, spec.num_heads, spec.num_kv_heads,
-                                       config.attention_backend, config.linear_backend, weights.layers[0].projections())
+                                       config.attention_backend, config.linear_backend, weights.layers[0].projections(),
+                                       config.head_dtype)
         self.weight_bytes = weights.nbytes()
         return HybridPrefillExecutor(spec, weights, kernels)
 
@@ -236,6 +238,7 @@ class Engine:
                 tokens_computed=self.executor.tokens_computed, steps=self._steps, recent_steps=list(self._recent_steps),
                 dtype=self.config.dtype, dtype_reason=self.config.dtype_reason, budget_bytes=budget,
                 attention_backend=self.executor.kernels.attention, linear_backend=self.executor.kernels.linear,
+                score_head=self.executor.kernels.score_head,
                 cache=copy.copy(self.cache.stats) if self.cache else None,
                 cache_bytes_in_use=self.cache.bytes_in_use() if self.cache else {},
                 queued_work_s=self.scheduler.queued_work_s() + max(0.0, self._step_ends_at - time.monotonic()),

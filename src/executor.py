@@ -28,6 +28,7 @@ import torch
 from .prefix_io import CaptureSink, KVSink, PrefixKV, PrefixSource, Sinks
 from .kernels.backend import KernelBackend
 from .kernels.linear import linear
+from .kernels.score_head import packs_weight
 from .model_spec import ModelSpec
 from .rope import RotaryTable
 from .weights import ModelWeights
@@ -152,7 +153,7 @@ class HybridPrefillExecutor:
         self.spec = spec
         self.kernels = kernels
         self.ops = kernels.ops
-        self.weights = weights.pack_linears(kernels.linear)
+        self.weights = weights.pack_linears(kernels.linear, pack_lm_head=packs_weight(kernels.score_head))
         self.dtype = kernels.dtype
         self.device = kernels.device
         # one RoPE table per layer type where the config has one per type, else one for all
@@ -283,7 +284,7 @@ class HybridPrefillExecutor:
         spec = self.spec
         normed = torch.empty_like(rows)
         self.ops.rms_norm_into(normed, rows, self.weights.final_norm, spec.rms_norm_eps, ws["scratch32"][: rows.shape[0], : spec.hidden_size])
-        logits = linear(None, normed, self.weights.lm_head, None).float()
+        logits = self.kernels.score_logits(normed, self.weights.lm_head)  # float32, never rounded to bf16 first
         if spec.final_softcap is not None:
             logits = torch.tanh(logits.div_(spec.final_softcap)).mul_(spec.final_softcap)
         return logits

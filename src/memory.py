@@ -12,6 +12,7 @@ import torch
 from .kernels.attention import INPLACE_QUERY_BLOCK, banded_scratch_bytes, cpu_flash_scratch_bytes, inplace_attention_supported
 from .kernels.backend import KernelBackend
 from .kernels.linear import allocates_output, call_scratch_bytes
+from .kernels.score_head import call_bytes as score_head_call_bytes
 from .model_spec import ModelSpec
 from .workspace import LOGPROB_ROWS, plan_workspace
 
@@ -99,9 +100,6 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
         linear = max(0, linear - attention)
     chunks = -(-s // plan.chunk)
     pieces = (chunks + b - 1) * spec.rope_tables  # chunk x sequence intersections, each with its own RoPE tables
-    # the last rows' logits in the model dtype and their float32 copy (none in float32: .float() is the same tensor)
-    logit = e + (4 if e != 4 else 0)
-    last_rows = b * (spec.hidden_size * 2 * e + spec.vocab_size * logit) if b > 1 else spec.vocab_size * logit
     return dict(
         workspace=plan.nbytes(),
         linear=linear,
@@ -109,28 +107,39 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
         captured=e * 2 * captured_tokens * spec.kv_width * spec.num_layers,
         prefix_gather=0 if kernels.attention_path == "triton" else e * 2 * max(p for _, p in members) * spec.kv_width,
         ids=s * 8,
-        small=spec.rope_tables * s * spec.head_dim * 4 + plan.chunk * spec.head_dim * 2 + last_rows,
+        small=spec.rope_tables * s * spec.head_dim * 4 + plan.chunk * spec.head_dim * 2 + _last_rows_bytes(spec, b, kernels),
         # after the layers: the projections' and attention's transients are gone by then
-        logprob_span=max(0, _span_bytes(spec, members, logprob_spans or [], plan.chunk, e) - linear - attention),
+        logprob_span=max(0, _span_bytes(spec, members, logprob_spans or [], plan.chunk, kernels) - linear - attention),
         pages=_PAGE * (len(plan.shapes) + 2 * pieces + 8 + (2 * b if b > 1 else 0)),  # workspace, RoPE tables, the few others
         unseen=UNSEEN_BYTES,
     )
 
 
+def _last_rows_bytes(spec: ModelSpec, b: int, kernels: KernelBackend) -> int:
+    """The B last rows (gathered and normed where B > 1) and their float32 logits, with what the score
+    head adds on the way (kernels.score_head: nothing on the float32 heads; the model-dtype output
+    before its cast on the "linear" head)."""
+    e = torch.tensor([], dtype=kernels.dtype).element_size()
+    rows = b * spec.hidden_size * 2 * e if b > 1 else 0
+    return rows + score_head_call_bytes(kernels.score_head, b, spec.hidden_size, spec.vocab_size, e)
 
-def _span_bytes(spec: ModelSpec, members: list[tuple[int, int]], spans: list[tuple[int, int]], chunk: int, e: int) -> int:
+
+def _span_bytes(spec: ModelSpec, members: list[tuple[int, int]], spans: list[tuple[int, int]], chunk: int,
+                kernels: KernelBackend) -> int:
     """The logprob spans' part: one block (its rows' normed states in the model dtype, the rows
-    gathered from the prefix cache where the span starts inside it, their logits, which the float32
-    cast or the log-sum-exp's temporary doubles: 8 bytes per logit in either dtype) and every row's
+    gathered from the prefix cache where the span starts inside it, their float32 logits and what
+    the score head adds on the way, and the log-softmax's float32 output) and every row's
     outputs (its logprob, greedy flag, best token's logprob and id, top-k values and ids, and the
     3 float32 values a prefix cache keeps, built twice on their way into its blocks)."""
     if not any(n for n, _ in spans):
         return 0
+    e = torch.tensor([], dtype=kernels.dtype).element_size()
     block = min(LOGPROB_ROWS, chunk, max(n for n, _ in spans))
+    head = score_head_call_bytes(kernels.score_head, block, spec.hidden_size, spec.vocab_size, e)
     outputs = sum(n * (4 + 1 + (4 + 8) + k * (4 + 8) + 2 * 12) for n, k in spans)
     into_prefix = any(n >= new for (n, _), (new, _) in zip(spans, members))  # rows gathered from the cache
-    # per row: 8 bytes a logit, its normed state and (a span over cached positions) the gathered one
-    return (block * (8 * spec.vocab_size + (2 if into_prefix else 1) * e * spec.hidden_size) + outputs
+    # per row: its normed state and (a span over cached positions) the gathered one; the block's logits and log-softmax
+    return (head + block * (4 * spec.vocab_size + (2 if into_prefix else 1) * e * spec.hidden_size) + outputs
             + 6 * _PAGE * sum(1 for n, _ in spans if n))
 
 
@@ -158,7 +167,8 @@ def _linear_call_bytes(spec: ModelSpec, chunk: int, last_rows: int, kernels: Ker
     own = e * chunk if allocates_output(kernels.linear) else 0
     calls = [call_scratch_bytes(chunk, n, dtype, device) + own * n
              for n in (spec.qkv_width, spec.hidden_size, 2 * spec.intermediate_size)]
-    return max(calls + [call_scratch_bytes(last_rows, spec.vocab_size, dtype, device)])
+    head = call_scratch_bytes(last_rows, spec.vocab_size, dtype, device) if kernels.score_head == "linear" else 0
+    return max(calls + [head])
 
 
 def _torch_attention_bytes(spec: ModelSpec, members: list[tuple[int, int]], e: int, window: int, inplace: bool) -> int:

@@ -52,6 +52,7 @@ class EngineStats:
     budget_bytes: dict[str, int]  # weights, activation, cache_tier1[, cache_tier2]
     attention_backend: str = ""  # what the engine attends with (attention_backend "auto" resolved at start)
     linear_backend: str = ""  # what its GEMMs run on (linear_backend "auto" resolved at start)
+    score_head: str = ""  # how the logits that become scores are computed (kernels/score_head.py, chosen at start)
     cache: CacheStats | None = None  # the prefix cache's counters (a copy); None without a cache
     cache_bytes_in_use: dict[int, int] = field(default_factory=dict)  # tier -> bytes
     queued_work_s: float = 0.0  # the running step's predicted rest + the waiting requests' work as it will run (Scheduler.queued_work_s; the fleet picker reads it)

@@ -67,17 +67,18 @@ class ModelWeights:
         key = lambda t: t.untyped_storage().data_ptr() if t.layout == torch.strided else id(t)  # noqa: E731
         return sum(weight_nbytes(t) for t in {key(t): t for t in tensors}.values())
 
-    def pack_linears(self, backend: str) -> "ModelWeights":
+    def pack_linears(self, backend: str, pack_lm_head: bool = True) -> "ModelWeights":
         """Every layer's projection weights in the layout `backend` reads (kernels.linear.pack),
         in place, one at a time (the plain tensor is dropped once packed), and the LM head likewise
-        (a logprob span runs it on every scored position: oneDNN's packed GEMM was 1.2-1.4x aten's
-        on SmolLM2's head at 64-256 rows, perf/RESULTS.md); returns self."""
+        where `pack_lm_head` (a logprob span runs it on every scored position: oneDNN's packed GEMM
+        was 1.2-1.4x aten's on SmolLM2's head at 64-256 rows, perf/RESULTS.md; the float32 score
+        heads read the plain rows instead: kernels.score_head); returns self."""
         for layer in self.layers:
             for name in _PROJECTIONS:
                 w = getattr(layer, name)
                 if w.layout == torch.strided:
                     setattr(layer, name, pack(w, backend))
-        if self.lm_head.layout == torch.strided:  # onednn: a copy when tied (the embedding keeps the plain rows)
+        if pack_lm_head and self.lm_head.layout == torch.strided:  # onednn: a copy when tied (the embedding keeps the plain rows)
             self.lm_head = pack(self.lm_head, backend)
         return self
 

@@ -151,6 +151,7 @@ namespace avx2 {
 #include "cpu_attention_tile.h"
 #include "cpu_attention_body.h"
 #include "cpu_attention_pairs.h"
+#include "cpu_score_head.h"
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -162,6 +163,7 @@ namespace avx512 {
 #include "cpu_attention_tile.h"
 #include "cpu_attention_body.h"
 #include "cpu_attention_pairs.h"
+#include "cpu_score_head.h"
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -174,6 +176,7 @@ namespace avx512_bf16 {
 #include "cpu_attention_softmax.h"
 #include "cpu_attention_tile.h"
 #include "cpu_attention_pairs.h"
+#include "cpu_score_head.h"
 }  // namespace avx512_bf16
 #pragma GCC pop_options
 
@@ -187,6 +190,7 @@ struct IsaEntry {
   void (*task)(const Problem&, int64_t, int64_t, int64_t, const Scratch&);
   void (*pack_values)(const Problem&, int64_t, int64_t, int64_t);  // pair path: V -> p.vp, per head and key pairs
   void (*exp2)(const float*, float*, int64_t);
+  decltype(&avx2::score_head_rows) score_head_rows;  // the LM head in bf16 pairs (cpu_score_head.h), every entry's ISA
 };
 
 bool has_avx512_bf16() {
@@ -200,11 +204,13 @@ constexpr int kTile512 = avx512::V::NV * avx512::V::W, kTile256 = avx2::V::NV * 
 // pair path is chosen by the caller (cpu_ext.attention_isa) only after its self-check passed.
 const IsaEntry kIsas[] = {
     {"avx512_bf16", kTile512, true, has_avx512_bf16, avx512_bf16::run_task_pairs, avx512_bf16::pack_value_pairs,
-     avx512_bf16::exp2_array},
-    {"avx512", kTile512, false, has_avx512, avx512::run_task, nullptr, avx512::exp2_array},
-    {"avx2", kTile256, false, has_avx2, avx2::run_task, nullptr, avx2::exp2_array},
-    {"avx512_pairs", kTile512, true, has_avx512, avx512::run_task_pairs, avx512::pack_value_pairs, avx512::exp2_array},
-    {"avx2_pairs", kTile256, true, has_avx2, avx2::run_task_pairs, avx2::pack_value_pairs, avx2::exp2_array},
+     avx512_bf16::exp2_array, avx512_bf16::score_head_rows},
+    {"avx512", kTile512, false, has_avx512, avx512::run_task, nullptr, avx512::exp2_array, avx512::score_head_rows},
+    {"avx2", kTile256, false, has_avx2, avx2::run_task, nullptr, avx2::exp2_array, avx2::score_head_rows},
+    {"avx512_pairs", kTile512, true, has_avx512, avx512::run_task_pairs, avx512::pack_value_pairs, avx512::exp2_array,
+     avx512::score_head_rows},
+    {"avx2_pairs", kTile256, true, has_avx2, avx2::run_task_pairs, avx2::pack_value_pairs, avx2::exp2_array,
+     avx2::score_head_rows},
 };
 
 const IsaEntry& pick_isa(const std::string& name) {
@@ -349,7 +355,34 @@ at::Tensor exp2_nonpositive(const at::Tensor& x, const std::string& isa) {
   return y;
 }
 
+// out [m, vocab] float32 = x [m, k] @ w [vocab, k]^T from bfloat16 x and w (cpu_score_head.h): the
+// logits of scored rows, never rounded to bf16. `isa` names an entry of kIsas (the avx512 and
+// avx512_pairs entries run the same emulated pair products; avx512_bf16 the native instruction).
+void score_head(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, const std::string& isa) {
+  using namespace pfa;
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kFloat,
+              "score head: bfloat16 x and w, float32 out");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && out.device().is_cpu(), "score head: CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2 && x.size(1) == w.size(1) && out.size(0) == x.size(0) &&
+                  out.size(1) == w.size(0), "score head: shapes x [m, k], w [vocab, k], out [m, vocab]");
+  const int64_t m = x.size(0), k = x.size(1), vocab = w.size(0);
+  TORCH_CHECK(k % 2 == 0 && x.stride(1) == 1 && w.stride(1) == 1 && out.stride(1) == 1 && x.stride(0) % 2 == 0 &&
+                  w.stride(0) % 2 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0 &&
+                  reinterpret_cast<uintptr_t>(w.data_ptr()) % 4 == 0,
+              "score head: k even, unit stride in k, even row strides, 4-byte aligned rows (whole bf16 pairs)");
+  const IsaEntry& e = pick_isa(isa);
+  if (m == 0 || vocab == 0) return;
+  const uint16_t* xp = static_cast<const uint16_t*>(x.data_ptr());
+  const uint16_t* wp = static_cast<const uint16_t*>(w.data_ptr());
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0), ws = w.stride(0), os = out.stride(0);
+  // 256 vocabulary rows a grain: a block of the weight read once from memory for every row
+  at::parallel_for(0, vocab, 256, [&](int64_t n0, int64_t n1) { e.score_head_rows(xp, xs, wp, ws, op, os, m, k, n0, n1); });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("score_head", &score_head, "out [m, vocab] float32 = x [m, k] @ w [vocab, k]^T from bfloat16 x, w (float32 sums)",
+        py::arg("x"), py::arg("w"), py::arg("out"), py::arg("isa"));
   m.def("flash_attention", &flash_attention, "causal flash attention (bottom-right aligned), out may be q; "
         "window > 0: a query at t sees keys (t - window, t]; softcap > 0: scores capped by softcap * tanh(s / softcap)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("scale"), py::arg("isa"), py::arg("block_k"),

@@ -35,6 +35,9 @@ struct V {
   }
   // -- bf16 pairs --
   static inline vi load_pairs(const uint32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static inline vi load_pairs_n(const uint32_t* p, int n) {  // lanes >= n: 0
+    return _mm256_maskload_epi32(reinterpret_cast<const int*>(p), tail_mask(n));
+  }
   static inline void store_pairs(uint32_t* p, vi x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x); }
   static inline vi broadcast_pair(const uint16_t* p) {
     int32_t word;

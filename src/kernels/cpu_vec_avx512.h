@@ -33,6 +33,7 @@ struct V {
   }
   // -- bf16 pairs --
   static inline vi load_pairs(const uint32_t* p) { return _mm512_loadu_si512(p); }
+  static inline vi load_pairs_n(const uint32_t* p, int n) { return _mm512_maskz_loadu_epi32(tail_mask(n), p); }  // lanes >= n: 0
   static inline void store_pairs(uint32_t* p, vi x) { _mm512_storeu_si512(p, x); }
   static inline vi broadcast_pair(const uint16_t* p) {
     int32_t word;
