@@ -52,22 +52,37 @@ inline void score_rows_of(const uint32_t* x, int64_t xs, const uint32_t* w, int6
   for (; n < n1; ++n) score_tile<MR, 1>(x, xs, w + n * ws, ws, out + n, os, pairs);
 }
 
+// the last rows < kScoreRows: one tile of their height
+template <int MR>
+inline void score_remainder(int64_t rows, const uint32_t* x, int64_t xs, const uint32_t* w, int64_t ws, float* out, int64_t os,
+                            int64_t pairs, int64_t n0, int64_t n1) {
+  if constexpr (MR > 0) {
+    if (rows == MR) {
+      score_rows_of<MR>(x, xs, w, ws, out, os, pairs, n0, n1);
+    } else {
+      score_remainder<MR - 1>(rows, x, xs, w, ws, out, os, pairs, n0, n1);
+    }
+  }
+}
+
 // Entry point (cpu_attention.cpp's dispatcher calls it per range of vocabulary rows). x: [m][k]
 // bf16 with row stride xs, w: [vocab][k] bf16 with row stride ws, out: [m][vocab] float32 with
 // row stride os (strides in bf16 / float elements; k and both bf16 strides even: whole pairs).
-// The vocabulary block stays in cache while every row runs over it.
+// The vocabulary goes in blocks of ~kScoreBlockBytes of weight, each read from memory once and
+// kept in L2 while every row runs over it (rows outside would stream the whole weight per row tile).
+constexpr int64_t kScoreBlockBytes = 128 << 10;
+
 void score_head_rows(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t ws, float* out, int64_t os, int64_t m,
                      int64_t k, int64_t n0, int64_t n1) {
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(w);
   const int64_t pairs = k / 2, xps = xs / 2, wps = ws / 2;
-  int64_t r = 0;
-  for (; r + kScoreRows <= m; r += kScoreRows)
-    score_rows_of<kScoreRows>(xp + r * xps, xps, wp, wps, out + r * os, os, pairs, n0, n1);
-  switch (m - r) {
-    case 3: score_rows_of<3>(xp + r * xps, xps, wp, wps, out + r * os, os, pairs, n0, n1); break;
-    case 2: score_rows_of<2>(xp + r * xps, xps, wp, wps, out + r * os, os, pairs, n0, n1); break;
-    case 1: score_rows_of<1>(xp + r * xps, xps, wp, wps, out + r * os, os, pairs, n0, n1); break;
-    default: break;
+  const int64_t block = kScoreBlockBytes / (2 * k) / kScoreVocab * kScoreVocab + kScoreVocab;
+  for (int64_t b0 = n0; b0 < n1; b0 += block) {
+    const int64_t b1 = b0 + block < n1 ? b0 + block : n1;
+    int64_t r = 0;
+    for (; r + kScoreRows <= m; r += kScoreRows)
+      score_rows_of<kScoreRows>(xp + r * xps, xps, wp, wps, out + r * os, os, pairs, b0, b1);
+    score_remainder<kScoreRows - 1>(m - r, xp + r * xps, xps, wp, wps, out + r * os, os, pairs, b0, b1);
   }
 }

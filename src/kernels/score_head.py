@@ -42,7 +42,7 @@ def choose(device: torch.device, dtype: torch.dtype, head_dtype: str = "float32"
     self-checked once per process, the first that passes is kept."""
     if head_dtype not in HEAD_DTYPES:
         raise ValueError(f"unknown head_dtype {head_dtype!r}; choose one of {', '.join(HEAD_DTYPES)}")
-    if dtype == torch.float32 or head_dtype == "model":
+    if dtype.itemsize >= 4 or head_dtype == "model":  # float32 (or float64) logits already
         return "linear"
     for head in _candidates(device.type, dtype):
         problem = _self_check(head, device.type, dtype)
@@ -75,7 +75,7 @@ def _self_check(head: str, device_type: str, dtype: torch.dtype) -> str | None:
             err = (got - want).abs().max().item()
             if got.dtype != torch.float64 or not err <= bound:
                 return f"max difference {err:.3g} over {bound:.3g} at {rows} x {k} x {vocab}"
-    except (RuntimeError, TypeError) as e:  # an op the device or torch build lacks
+    except (RuntimeError, TypeError, NotImplementedError) as e:  # an op the device or torch build lacks
         return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
     return None
 
