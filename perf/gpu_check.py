@@ -726,6 +726,7 @@ def environment(plan: Plan, smoke: bool) -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
+    from prefillonly.kernels import score_head
     from prefillonly.kernels.attention import flash_attn_available
 
     cuda = plan.device.type == "cuda"
@@ -739,6 +740,9 @@ def environment(plan: Plan, smoke: bool) -> dict:
         "transformers": transformers.__version__,
         "triton": triton_version,
         "flash_attn_package": flash_attn_available(),
+        # the bf16 engines' score head (docs/design.md §19): out_dtype where cuBLAS's float32-output mm passed its
+        # self-check on this device, else upcast (exact, slower): never run on a GPU before 2026-12-06
+        "score_head_bf16": score_head.choose(plan.device, torch.bfloat16),
         "device_name": torch.cuda.get_device_name(plan.device) if cuda else platform.processor() or "cpu",
         "device_memory_GB": torch.cuda.get_device_properties(plan.device).total_memory / 1e9 if cuda else None,
         "budget_s": plan.budget_s,

@@ -32,6 +32,10 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -180,6 +184,13 @@ namespace avx512_bf16 {
 }  // namespace avx512_bf16
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")
+namespace amx {
+#include "cpu_score_head_amx.h"
+}  // namespace amx
+#pragma GCC pop_options
+
 // -- dispatch ------------------------------------------------------------------------------
 
 struct IsaEntry {
@@ -196,6 +207,23 @@ struct IsaEntry {
 bool has_avx512_bf16() {
   __builtin_cpu_init();
   return has_avx512() && __builtin_cpu_supports("avx512bf16");
+}
+
+// AMX-BF16 tiles the OS lets this process use: the CPU's flags (CPUID 7.0 EDX bits 22, 24), the OS
+// saving the tile state (XCR0 bits 17, 18), and Linux's per-process permission for it, asked once
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; refused, e.g. by a sandbox: no AMX).
+bool has_amx_bf16() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!has_avx512() || !__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) return false;  // OSXSAVE
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((d >> 24) & 1)) return false;
+    uint32_t lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if (((lo >> 17) & 3u) != 3u) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
 }
 
 constexpr int kTile512 = avx512::V::NV * avx512::V::W, kTile256 = avx2::V::NV * avx2::V::W;
@@ -355,9 +383,26 @@ at::Tensor exp2_nonpositive(const at::Tensor& x, const std::string& isa) {
   return y;
 }
 
+// The AMX path of score_head: x packed in k pairs per 16 rows, the vocabulary's whole blocks of 32 rows
+// on tiles, the rest (vocab % 32 rows) on the AVX-512 pair path.
+void score_head_amx(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t ws, float* out, int64_t os, int64_t m, int64_t k,
+                    int64_t vocab) {
+  using namespace pfa;
+  const int64_t pairs = k / 2, groups = (m + 15) / 16;
+  std::vector<uint32_t> xp(static_cast<size_t>(groups * pairs * 16));
+  const uint32_t* xw = reinterpret_cast<const uint32_t*>(x);
+  for (int64_t g = 0; g < groups; ++g) amx::pack_rows_in_pairs(xw, xs / 2, 16 * g, m, pairs, xp.data() + g * pairs * 16);
+  const int64_t blocks = vocab / amx::kAmxVocab, whole = blocks * amx::kAmxVocab;
+  at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
+    amx::score_head_rows_amx(xp.data(), m, w, ws, out, os, k, b0 * amx::kAmxVocab, b1 * amx::kAmxVocab);
+  });
+  if (whole < vocab) pick_isa(has_avx512_bf16() ? "avx512_bf16" : "avx512").score_head_rows(x, xs, w, ws, out, os, m, k, whole, vocab);
+}
+
 // out [m, vocab] float32 = x [m, k] @ w [vocab, k]^T from bfloat16 x and w (cpu_score_head.h): the
 // logits of scored rows, never rounded to bf16. `isa` names an entry of kIsas (the avx512 and
-// avx512_pairs entries run the same emulated pair products; avx512_bf16 the native instruction).
+// avx512_pairs entries run the same emulated pair products; avx512_bf16 the native instruction), or
+// "amx_bf16" (AMX tiles: cpu_score_head_amx.h).
 void score_head(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, const std::string& isa) {
   using namespace pfa;
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kFloat,
@@ -370,12 +415,15 @@ void score_head(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, const
                   w.stride(0) % 2 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0 &&
                   reinterpret_cast<uintptr_t>(w.data_ptr()) % 4 == 0,
               "score head: k even, unit stride in k, even row strides, 4-byte aligned rows (whole bf16 pairs)");
-  const IsaEntry& e = pick_isa(isa);
+  const bool tiles = isa == "amx_bf16";
+  TORCH_CHECK(!tiles || has_amx_bf16(), "score head: this CPU (or the OS) gives no AMX-BF16 tiles");
+  const IsaEntry& e = pick_isa(tiles ? "auto" : isa);
   if (m == 0 || vocab == 0) return;
   const uint16_t* xp = static_cast<const uint16_t*>(x.data_ptr());
   const uint16_t* wp = static_cast<const uint16_t*>(w.data_ptr());
   float* op = out.data_ptr<float>();
   const int64_t xs = x.stride(0), ws = w.stride(0), os = out.stride(0);
+  if (tiles) return score_head_amx(xp, xs, wp, ws, op, os, m, k, vocab);
   // 256 vocabulary rows a grain: a block of the weight read once from memory for every row
   at::parallel_for(0, vocab, 256, [&](int64_t n0, int64_t n1) { e.score_head_rows(xp, xs, wp, ws, op, os, m, k, n0, n1); });
 }
@@ -390,6 +438,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scratch_bytes", &scratch_bytes, "bytes one flash_attention call allocates besides its output");
   m.def("pair_path", [](const std::string& isa) { return pfa::pick_isa(isa).pairs; }, "whether the ISA entry is a bf16 pair path");
   m.def("supported_isas", [] { return isa_names(true); }, "ISAs this CPU can run, best first");
+  m.def("amx_bf16", &pfa::has_amx_bf16, "whether this process may run AMX-BF16 tiles (score_head's isa 'amx_bf16')");
   m.def("compiled_isas", [] { return isa_names(false); }, "ISAs compiled into this build");
   m.def("exp2_nonpositive", &exp2_nonpositive, "the kernel's 2^x for x <= 0 (accuracy tests)");
 }

@@ -9,6 +9,9 @@ weight with float32 sums and a float32 output; the body of the model stays in it
 Heads (EngineConfig.head_dtype "float32", the default; "model" keeps the model dtype's GEMM and casts
 after it, as before, for an A/B):
   "linear"     the layers' GEMM (kernels.linear): float32 models (already float32), or head_dtype "model".
+  "cpu_amx"    CPU bf16 on AMX-BF16 tiles (Intel Xeon from Sapphire Rapids on; cpu_score_head_amx.h): the
+               same sums on TDPBF16PS, the weight read in place as "cpu_pairs" reads it, x packed in
+               k pairs per call; 3-6x "cpu_pairs" on many rows (oneDNN's bf16 GEMM runs on these tiles).
   "cpu_pairs"  CPU bf16: our compiled kernel (cpu_score_head.h) on the plain [vocab, hidden] weight:
                exact bf16 products summed in float32, no weight copy, no library buffer, and the same
                bits for a row whichever rows share the call (batch-invariant). Measured against
@@ -32,6 +35,7 @@ from . import cpu_ext
 from .linear import linear
 
 HEAD_DTYPES = ("float32", "model")
+HEADS = ("linear", "cpu_amx", "cpu_pairs", "out_dtype", "upcast")
 log = logging.getLogger("prefillonly")
 
 _UPCAST_BLOCK_ROWS = 4096  # weight rows converted to float32 at a time by the upcast head (memory.py counts one block)
@@ -53,8 +57,9 @@ def choose(device: torch.device, dtype: torch.dtype, head_dtype: str = "float32"
 
 
 def _candidates(device_type: str, dtype: torch.dtype) -> list[str]:
-    if device_type == "cpu" and dtype == torch.bfloat16 and cpu_ext.load_attention() is not None:
-        return ["cpu_pairs"]
+    module = cpu_ext.load_attention() if device_type == "cpu" and dtype == torch.bfloat16 else None
+    if module is not None:
+        return ["cpu_amx", "cpu_pairs"] if module.amx_bf16() else ["cpu_pairs"]
     if device_type == "cuda":
         return ["out_dtype"]
     return []
@@ -85,11 +90,12 @@ def logits(head: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     ([vocab, hidden] plain; packed only for the "linear" head) on `head`."""
     if head == "linear":
         return linear(None, x, w, None).float()
-    if head == "cpu_pairs":
+    if head in ("cpu_amx", "cpu_pairs"):
         out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
-        if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:  # the kernel reads whole bf16 pairs
+        if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:  # the kernels read whole bf16 pairs
             x = x.clone(memory_format=torch.contiguous_format)  # a new, aligned tensor (a 1-row view counts as contiguous)
-        cpu_ext.load_attention().score_head(x, w, out, cpu_ext.attention_isa(torch.bfloat16))
+        isa = "amx_bf16" if head == "cpu_amx" else cpu_ext.attention_isa(torch.bfloat16)
+        cpu_ext.load_attention().score_head(x, w, out, isa)
         return out
     if head == "out_dtype":
         return torch.mm(x, w.t(), out_dtype=torch.float32)
@@ -117,11 +123,13 @@ def packs_weight(head: str) -> bool:
 def call_bytes(head: str, rows: int, hidden: int, vocab: int, element_size: int) -> int:
     """Bytes one call over `rows` rows allocates: its float32 logits, and what it adds on the way
     (the model-dtype output before its cast on "linear" where that is not float32 already; the
-    float32 rows and one float32 weight block on "upcast"; the rows made contiguous on "cpu_pairs"
-    where a gathered row set is not)."""
+    float32 rows and one float32 weight block on "upcast"; x packed in pairs, 16 rows at a time, on
+    "cpu_amx")."""
     out = 4 * rows * vocab
     if head == "linear":
         return out + (element_size * rows * vocab if element_size != 4 else 0)
     if head == "upcast":
         return out + 4 * rows * hidden + 4 * min(vocab, _UPCAST_BLOCK_ROWS) * hidden
+    if head == "cpu_amx":
+        return out + 2 * 16 * -(-rows // 16) * hidden
     return out

@@ -11,6 +11,7 @@ import torch
 
 from prefillonly import ConfigError, Engine, EngineConfig
 from prefillonly.hardware import cpu_flags, resolve_dtype
+from prefillonly.kernels import score_head
 
 AVX2_ONLY = {"sse4_2", "avx", "avx2", "fma", "f16c"}
 
@@ -91,8 +92,9 @@ def test_engine_with_auto_equals_the_explicit_dtype_it_resolved_to(default_model
     assert auto.dtype == EngineConfig(dtype=want).torch_dtype
     assert (stats.dtype, stats.dtype_reason) == (want, reason)
     assert engine_info_labels(stats) == {"dtype": want, "dtype_reason": reason, "attention_backend": "sdpa",
-                                         "linear_backend": stats.linear_backend}
+                                         "linear_backend": stats.linear_backend, "score_head": stats.score_head}
     assert stats.linear_backend in ("aten", "onednn")
+    assert stats.score_head == ("linear" if want == "float32" else score_head.choose(torch.device("cpu"), torch.bfloat16))
     assert f"dtype {want} ({reason})" in [r.getMessage() for r in caplog.records if r.name == "prefillonly"]
     with Engine(EngineConfig(dtype=want, threads=2, cache_budget_bytes=0, attention_backend="sdpa")) as explicit:
         ref = explicit.score(prompt, allowed, top_k=3)

@@ -12,7 +12,7 @@ from prefillonly.kernels import cpu_ext, score_head
 from prefillonly.kernels.backend import KernelBackend
 
 CPU = torch.device("cpu")
-ISAS = ("avx512_bf16", "avx512_pairs", "avx512", "avx2_pairs", "avx2")  # every kIsas entry runs the head in its ISA
+ISAS = ("amx_bf16", "avx512_bf16", "avx512_pairs", "avx512", "avx2_pairs", "avx2")  # AMX tiles, and every kIsas entry's ISA
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +22,13 @@ def kernel():
     return module
 
 
+def _supported(kernel) -> list[str]:
+    return (["amx_bf16"] if kernel.amx_bf16() else []) + kernel.supported_isas()
+
+
 @pytest.fixture(params=ISAS)
 def isa(request, kernel):
-    if request.param not in kernel.supported_isas():
+    if request.param not in _supported(kernel):
         pytest.skip(f"this CPU lacks the {request.param} instructions: that path was not run")
     return request.param
 
@@ -81,12 +85,14 @@ def test_kernel_refuses_what_it_cannot_read(kernel):
         kernel.score_head(x[:, :63], w[:, :63], torch.empty(2, 10), "avx2")
 
 
-@pytest.mark.parametrize("head", ["cpu_pairs", "upcast"])
+@pytest.mark.parametrize("head", ["cpu_amx", "cpu_pairs", "upcast"])
 def test_heads_on_views_and_gathered_rows(kernel, head):
+    if head == "cpu_amx" and not kernel.amx_bf16():
+        pytest.skip("this CPU (or the OS) gives no AMX-BF16 tiles: the cpu_amx head was not run")
     g = torch.Generator().manual_seed(4)
     x = torch.randn(9, 130, generator=g).bfloat16()[:, 1:-1]  # rows that are views, 2 bytes off alignment
     w = torch.randn(4999, 129, generator=g).bfloat16()[:, :128]  # the upcast head's blocks and a row stride of its own
-    got = score_head.logits(head, x, w.contiguous() if head == "cpu_pairs" else w)
+    got = score_head.logits(head, x, w if head == "upcast" else w.contiguous())
     assert got.dtype == torch.float32 and got.shape == (9, 4999)
     assert torch.all((got.double() - x.double() @ w.double().t()).abs() <= 2 * _float32_sum_bound(x, w))
 
@@ -95,8 +101,9 @@ def test_choice_per_dtype_and_setting(kernel):
     assert score_head.choose(CPU, torch.float32) == "linear"
     assert score_head.choose(CPU, torch.float64) == "linear"
     assert score_head.choose(CPU, torch.bfloat16, "model") == "linear"
-    assert score_head.choose(CPU, torch.bfloat16) == "cpu_pairs"
-    assert KernelBackend(CPU, torch.bfloat16, 64, "sdpa").score_head == "cpu_pairs"  # the default where none is named
+    best = "cpu_amx" if kernel.amx_bf16() else "cpu_pairs"
+    assert score_head.choose(CPU, torch.bfloat16) == best
+    assert KernelBackend(CPU, torch.bfloat16, 64, "sdpa").score_head == best  # the default where none is named
     with pytest.raises(ValueError, match="head_dtype"):
         score_head.choose(CPU, torch.bfloat16, "float16")
 
@@ -118,15 +125,31 @@ def test_a_wrong_head_fails_its_self_check(monkeypatch):
     score_head._self_check.cache_clear()
     try:
         assert "max difference" in score_head._self_check("cpu_pairs", "cpu", torch.bfloat16)
+        monkeypatch.setattr(score_head, "_candidates", lambda device_type, dtype: ["cpu_amx", "cpu_pairs"])
+        assert score_head.choose(CPU, torch.bfloat16) == "upcast"  # every candidate failed
     finally:
         score_head._self_check.cache_clear()
 
 
-@pytest.mark.parametrize("head,extra", [("linear", 2), ("cpu_pairs", 0), ("upcast", None)])
+@pytest.mark.parametrize("head,extra", [("linear", 2), ("cpu_pairs", 0), ("cpu_amx", None), ("upcast", None)])
 def test_call_bytes_count_the_float32_logits_and_what_the_head_adds(head, extra):
     rows, hidden, vocab = 3, 576, 49152
     got = score_head.call_bytes(head, rows, hidden, vocab, element_size=2)
-    if extra is None:
+    if head == "cpu_amx":
+        assert got == 4 * rows * vocab + 2 * 16 * hidden  # x packed in pairs, one group of 16 rows
+    elif extra is None:
         assert got == 4 * rows * vocab + 4 * rows * hidden + 4 * 4096 * hidden
     else:
         assert got == (4 + extra) * rows * vocab
+
+
+def test_amx_tiles_and_avx512_agree_to_float32_summation(kernel):
+    """The two CPU heads sum the same exact products in different orders: they differ by rounding only,
+    and a vocabulary that is no multiple of the tiles' 32 rows gets its last rows from the AVX-512 path."""
+    if not kernel.amx_bf16():
+        pytest.skip("this CPU (or the OS) gives no AMX-BF16 tiles: the cpu_amx head was not run")
+    x, w = _operands(19, 130, 101, seed=12)
+    tiles, pairs = torch.empty(19, 101), torch.empty(19, 101)
+    kernel.score_head(x, w, tiles, "amx_bf16")
+    kernel.score_head(x, w, pairs, "avx512_pairs")
+    assert torch.all((tiles.double() - pairs.double()).abs() <= 2 * _float32_sum_bound(x, w))

@@ -214,6 +214,7 @@ def test_default_model_over_http_generate(tmp_path):
     the shipped config's dtype ("auto": what this host resolves it to), reported by the model."""
     from prefillonly import Engine, EngineConfig
     from prefillonly.hardware import cpu_flags, resolve_dtype
+    from prefillonly.kernels import score_head
     from prefillonly.serving.host import prometheus
 
     assert 'key: "dtype" value: { string_value: "auto" }' in (REPO / "prefillonly" / "config.pbtxt").read_text()
@@ -228,6 +229,7 @@ def test_default_model_over_http_generate(tmp_path):
     labels = info[0].labels
     assert {k: labels[k] for k in ("dtype", "dtype_reason")} == {"dtype": dtype, "dtype_reason": reason}
     assert labels["attention_backend"] in ("cpu_flash", "sdpa") and labels["linear_backend"] in ("aten", "onednn"), labels
+    assert labels["score_head"] in score_head.HEADS, labels
     assert f"dtype {dtype}: {reason}" in log
     # the same settings in process, dtype auto too, on the backends the server timed for itself (two
     # processes may time a near tie differently, and the backends round bf16 differently)
