@@ -8,12 +8,12 @@ answers item 2 of the issue: the final norm kept in float32 as well (its rows ar
 bf16 before the head; exact float32 sums of float32 rows and the bf16 weight), to see whether it
 closes more of the gap than the float32 head alone.
 
-Speed (head_dtype "model" vs "float32", fresh processes, interleaved, --reps each): a warm
+Speed (head_dtype "model" vs "float32": both engines in one process, run in turn, in --reps fresh processes): a warm
 post-recommendation request (a ~2,000-token profile cached, a ~150-token post: one scored row), a
 D-document rerank (D scored rows), and a prompt's per-position logprobs (what lm-eval's
 loglikelihood_rolling reads: every row through the head).
 
-    .venv/bin/python -m perf.bench_score_head               # 100 documents, 4 reps
+    .venv/bin/python -m perf.bench_score_head               # 100 documents, 4 processes
     .venv/bin/python -m perf.bench_score_head --worker ...  # one process's measurement (used by the above)
 """
 
@@ -38,7 +38,8 @@ QUERY = "Query: which document talks about a garden near a river at night?\n"
 TEMPLATE = "Document: {item}\nIs the document relevant to the query? Answer:"
 LABELS = [" Yes", " No"]
 VARIANTS = ("float32", "model", "float32_norm")
-REPEATS = 3  # runs of each speed workload per process  # the bf16 engine's heads (float32_norm: item 2's what-if)
+REPEATS = 4  # runs of each speed workload per head in a process
+HEADS = ("model", "float32")  # head_dtype settings compared for speed  # the bf16 engine's heads (float32_norm: item 2's what-if)
 
 
 def documents(n: int, seed: int = 0) -> list[str]:
@@ -99,32 +100,43 @@ def _time_the_head(executor) -> list[float]:
     return spent
 
 
-def speed_worker(head: str, n_docs: int, threads: int) -> dict:
-    """Each workload `REPEATS` times in this process (the fastest kept: this host's speed drifts by
-    10% between seconds), with the time its LM-head calls took."""
+def speed_worker(first: str, n_docs: int, threads: int) -> dict:
+    """Both heads' engines in this process (`first` built first: the order alone moved a rerank by up
+    to 10% in a trial), each workload run on them in turn, `REPEATS` rounds (the order flipped every
+    round; the fastest run of each kept: this host's speed drifts by 10% between seconds), with the
+    time the runs' LM-head calls took."""
     from perf.workloads import random_ids
 
     rng = np.random.default_rng(7)
-    with _engine("bfloat16", head, threads) as engine:
-        spent = _time_the_head(engine.executor)
-        vocab = engine.spec.vocab_size
+    engines = {h: _engine("bfloat16", h, threads) for h in sorted(HEADS, key=lambda h: h != first)}
+    try:
+        spent = {h: _time_the_head(e.executor) for h, e in engines.items()}
+        vocab = engines["model"].spec.vocab_size
         profile = random_ids(rng, 2000, 100, vocab)
-        engine.score(profile + random_ids(rng, 150, 100, vocab), LABELS, cache_prefix_len=len(profile))  # the profile cached
-        cases = {"warm_post": lambda i: engine.score(profile + random_ids(rng, 150, 100, vocab), LABELS, cache_prefix_len=len(profile)),
-                 "rerank": lambda i: engine.score_items(QUERY, documents(n_docs, seed=i + 1), LABELS, item_template=TEMPLATE),
-                 "prompt_logprobs_512": lambda i: engine.prompt_logprobs(random_ids(rng, 512, 100, vocab), cache_prefix_len=0)}
-        out = {"head": head, "score_head": engine.stats().score_head}
+        posts = [random_ids(rng, 150, 100, vocab) for _ in range(REPEATS + 1)]
+        spans = [random_ids(rng, 512, 100, vocab) for _ in range(REPEATS)]
+        for e in engines.values():  # the profile cached in each
+            e.score(profile + posts[-1], LABELS, cache_prefix_len=len(profile))
+        cases = {"warm_post": lambda e, i: e.score(profile + posts[i], LABELS, cache_prefix_len=len(profile)),
+                 "rerank": lambda e, i: e.score_items(QUERY, documents(n_docs, seed=i + 1), LABELS, item_template=TEMPLATE),
+                 "prompt_logprobs_512": lambda e, i: e.prompt_logprobs(spans[i], cache_prefix_len=0)}
+        out = {"score_head": engines["float32"].stats().score_head, "built_first": first}
         for name, run in cases.items():
-            best = None
+            best = {}
             for i in range(REPEATS):
-                spent.clear()
-                t0 = time.perf_counter()
-                run(i)
-                total = time.perf_counter() - t0
-                if best is None or total < best[0]:
-                    best = (total, sum(spent))
-            out[f"{name}_s"], out[f"{name}_head_s"] = best
+                for h in (HEADS if i % 2 == 0 else HEADS[::-1]):
+                    spent[h].clear()
+                    t0 = time.perf_counter()
+                    run(engines[h], i)
+                    total = time.perf_counter() - t0
+                    if h not in best or total < best[h][0]:
+                        best[h] = (total, sum(spent[h]))
+            for h in HEADS:
+                out[f"{h}_{name}_s"], out[f"{h}_{name}_head_s"] = best[h]
         return out
+    finally:
+        for e in engines.values():
+            e.close()
 
 
 # -- the driver ---------------------------------------------------------------------------------
@@ -166,11 +178,10 @@ def measure(args) -> dict:
         bu.log(f"  {variant}: {runs[variant]['score_head']}")
     speed = []
     for rep in range(args.reps):
-        for head in (("model", "float32") if rep % 2 == 0 else ("float32", "model")):
-            r = _run_worker("speed", head, args)
-            bu.log(f"  rep {rep + 1} {head}: " + ", ".join(f"{k} {r[f'{k}_s'] * 1e3:.1f} ms (head {r[f'{k}_head_s'] * 1e3:.1f})"
-                                                          for k, _ in SPEED_CASES))
-            speed.append(dict(r, rep=rep))
+        r = _run_worker("speed", HEADS[rep % 2], args)
+        bu.log(f"  process {rep + 1}: " + ", ".join(f"{k} {r[f'model_{k}_s'] * 1e3:.1f} / {r[f'float32_{k}_s'] * 1e3:.1f} ms"
+                                                  for k, _ in SPEED_CASES) + " (model / float32)")
+        speed.append(r)
     return {**bu.run_info(args.threads), "docs": args.docs, "precision": precision_rows(runs), "speed": speed,
             "scatter": {v: runs[v]["probs"] for v in ("reference", "model", "float32")}}
 
@@ -180,22 +191,22 @@ SPEED_CASES = (("warm_post", "warm post-rec request (1 scored row)"), ("rerank",
 
 
 def speed_table(speed: list[dict]) -> str:
-    """Per workload: end-to-end time per rep on each head and their ratio, and the LM head's own
-    time in those runs: its difference over the model-dtype run's total is the cost of float32 scores
-    without the host's drift in it."""
+    """Per workload: each process's fastest run on each head and their ratio, and the LM head's own
+    time in those runs: its difference over the model-dtype run's total is the cost of float32
+    scores with none of the host's drift in it."""
     rows = []
     for key, label in SPEED_CASES:
-        by = {h: [r for r in speed if r["head"] == h] for h in ("model", "float32")}
-        ratios = [f[f"{key}_s"] / m[f"{key}_s"] for f, m in zip(by["float32"], by["model"])]
-        head_ms = {h: bu.median([r[f"{key}_head_s"] * 1e3 for r in by[h]]) for h in by}
-        total_ms = bu.median([r[f"{key}_s"] * 1e3 for r in by["model"]])
-        rows.append([label, " / ".join(f"{r[f'{key}_s'] * 1e3:.1f}" for r in by["model"]),
-                     " / ".join(f"{r[f'{key}_s'] * 1e3:.1f}" for r in by["float32"]),
+        ratios = [r[f"float32_{key}_s"] / r[f"model_{key}_s"] for r in speed]
+        head_ms = {h: bu.median([r[f"{h}_{key}_head_s"] * 1e3 for r in speed]) for h in HEADS}
+        total_ms = bu.median([r[f"model_{key}_s"] * 1e3 for r in speed])
+        rows.append([label, " / ".join(f"{r[f'model_{key}_s'] * 1e3:.1f}" for r in speed),
+                     " / ".join(f"{r[f'float32_{key}_s'] * 1e3:.1f}" for r in speed),
                      f"{bu.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})",
                      f"{head_ms['model']:.1f} / {head_ms['float32']:.1f}",
                      f"{(head_ms['float32'] - head_ms['model']) / total_ms * 100:+.1f}%"])
-    return bu.markdown_table(["", "bf16 logits (model), ms per rep", "float32 head, ms per rep", "float32 / model (median, range)",
-                              "LM head's own ms, model / float32 (median)", "head difference / model total"], rows)
+    return bu.markdown_table(["", "bf16 logits (model), ms per process", "float32 head, ms per process",
+                              "float32 / model (median, range)", "LM head's own ms, model / float32 (median)",
+                              "head difference / model total"], rows)
 
 
 def report(data: dict) -> str:
@@ -205,14 +216,15 @@ def report(data: dict) -> str:
          "allowed logprob error vs float32, mean", "max"],
         [[r["variant"], r["score_head"], f"{r['distinct']} of {data['docs']}", r["tied_pairs"], f"{r['tau']:.4f}",
           f"{r['lp_err_mean']:.4f}", f"{r['lp_err_max']:.4f}"] for r in data["precision"]])
-    head = next(r["score_head"] for r in data["speed"] if r["head"] == "float32")
+    head = data["speed"][0]["score_head"]
     lines = [f"Command: `{data['command']}`  ", f"Date: {data['date']}  ", f"Machine: {bu.machine_line(m)}", "",
              f"Precision: {data['docs']} distinct documents reranked by the default model (SmolLM2-135M) as one multi-item "
              "request, bf16 engine against the float32 engine on the same prompts. `model` = the bf16 LM head GEMM then a cast "
              "(the code before issue 46); `float32` = the score head (default); `float32_norm` = also the final norm's rows kept "
              "in float32 (a what-if, not shipped).", "", prec, "",
-             f"Speed: bf16, `head_dtype` model vs float32 (the float32 head here: `{head}`), each a fresh process, "
-             f"interleaved, one value per rep (the fastest of {REPEATS} runs in the process):", "", speed_table(data["speed"]), ""]
+             f"Speed: bf16, `head_dtype` model vs float32 (the float32 head here: `{head}`): {len(data['speed'])} fresh "
+             f"processes, each holding both engines (built in alternating order) and running every workload on them in turn, "
+             f"{REPEATS} rounds, the order flipped each round; per process the fastest run of each:", "", speed_table(data["speed"]), ""]
     if PLOT.exists():
         lines += [f"![bf16 relevance vs float32 relevance]({PLOT.relative_to(bu.PERF_DIR).as_posix()})", ""]
     return "\n".join(lines)
@@ -235,9 +247,9 @@ def plot(data: dict) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m perf.bench_score_head", description=__doc__.splitlines()[0])
     p.add_argument("--docs", type=int, default=100, help="documents reranked (default 100)")
-    p.add_argument("--reps", type=int, default=4, help="speed processes per head, interleaved (default 4)")
+    p.add_argument("--reps", type=int, default=4, help="fresh speed processes, each running both heads in turn (default 4)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--worker", nargs=2, metavar=("KIND", "NAME"), help="internal: one measurement (precision VARIANT | speed HEAD)")
+    p.add_argument("--worker", nargs=2, metavar=("KIND", "NAME"), help="internal: one measurement (precision VARIANT | speed HEAD_BUILT_FIRST)")
     return p
 
 
