@@ -49,7 +49,7 @@ def choose(device: torch.device, dtype: torch.dtype, head_dtype: str = "float32"
     if dtype.itemsize >= 4 or head_dtype == "model":  # float32 (or float64) logits already
         return "linear"
     for head in _candidates(device.type, dtype):
-        problem = _self_check(head, device.type, dtype)
+        problem = _self_check(head, str(device), dtype)  # on the device itself (cuda:1 is not cuda:0)
         if problem is None:
             return head
         log.warning("prefillonly: score head %s failed its self-check (%s); trying the next", head, problem)
@@ -66,7 +66,7 @@ def _candidates(device_type: str, dtype: torch.dtype) -> list[str]:
 
 
 @functools.lru_cache(maxsize=16)
-def _self_check(head: str, device_type: str, dtype: torch.dtype) -> str | None:
+def _self_check(head: str, device: str, dtype: torch.dtype) -> str | None:
     """None when `head` computes x @ w.T as float64 does to float32 summation error on small shapes
     (odd rows and vocabularies, a k with a tail, rows that are views), else what differed."""
     g = torch.Generator().manual_seed(46)
@@ -74,7 +74,7 @@ def _self_check(head: str, device_type: str, dtype: torch.dtype) -> str | None:
         for rows, k, vocab in ((1, 64, 37), (5, 98, 301), (9, 576, 130)):
             x = torch.randn(rows, k + 2, generator=g).to(dtype)[:, 1:-1]  # a view with a row stride of its own
             w = torch.randn(vocab, k, generator=g).to(dtype)
-            got = logits(head, x.to(device_type), w.to(device_type)).double().cpu()
+            got = logits(head, x.to(device), w.to(device)).double().cpu()
             want = x.double() @ w.double().t()
             bound = 1e-5 * (x.double().abs() @ w.double().abs().t()).max().item()
             err = (got - want).abs().max().item()
@@ -90,7 +90,7 @@ def logits(head: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     ([vocab, hidden] plain; packed only for the "linear" head) on `head`."""
     if head == "linear":
         return linear(None, x, w, None).float()
-    if head in ("cpu_amx", "cpu_pairs"):
+    if head in ("cpu_amx", "cpu_pairs") and not (w.shape[1] % 2 or w.stride(0) % 2 or w.data_ptr() % 4):
         out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
         if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:  # the kernels read whole bf16 pairs
             x = x.clone(memory_format=torch.contiguous_format)  # a new, aligned tensor (a 1-row view counts as contiguous)
@@ -99,7 +99,7 @@ def logits(head: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return out
     if head == "out_dtype":
         return torch.mm(x, w.t(), out_dtype=torch.float32)
-    if head == "upcast":
+    if head in ("upcast", "cpu_amx", "cpu_pairs"):  # the CPU kernels read whole bf16 pairs: an odd hidden size cannot
         return _upcast_logits(x, w)
     raise ValueError(f"unknown score head {head!r}")
 

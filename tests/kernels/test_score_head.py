@@ -153,3 +153,12 @@ def test_amx_tiles_and_avx512_agree_to_float32_summation(kernel):
     kernel.score_head(x, w, tiles, "amx_bf16")
     kernel.score_head(x, w, pairs, "avx512_pairs")
     assert torch.all((tiles.double() - pairs.double()).abs() <= 2 * _float32_sum_bound(x, w))
+
+
+@pytest.mark.parametrize("head", ["cpu_amx", "cpu_pairs"])
+def test_an_odd_hidden_size_is_still_scored_exactly(kernel, head):
+    """The CPU kernels read bf16 pairs; a weight with an odd row length takes the upcast path instead
+    of failing the request."""
+    x, w = _operands(3, 65, 40, seed=8)
+    got = score_head.logits(head, x, w)
+    assert torch.all((got.double() - x.double() @ w.double().t()).abs() <= 2 * _float32_sum_bound(x, w))
