@@ -21,6 +21,7 @@ from prefillonly.model_spec import ModelSpec
         (dict(max_input_len=0), "max_input_len must be >= 1"),
         (dict(threads=0), "threads must be >= 1"),
         (dict(attention_backend="magic"), "attention_backend 'magic'"),
+        (dict(head_dtype="bfloat16"), "head_dtype 'bfloat16' unknown; choose one of float32, model"),
         (dict(model="/no/such/folder"), "does not exist"),
     ],
 )
@@ -33,6 +34,9 @@ def test_string_settings_and_aliases():
     c = EngineConfig.from_strings({"dtype": "bf16", "chunk_size": "none", "max_input_len": "40_000", "threads": "2"})
     assert (c.dtype, c.chunk_size, c.max_input_len, c.threads) == ("bfloat16", None, 40000, 2)
     assert EngineConfig(chunk_size=0).chunk_size is None
+    assert EngineConfig.from_strings({"head_dtype": "FP32"}).head_dtype == "float32"  # the dtype aliases
+    assert EngineConfig.from_strings({"head_dtype": "model"}).head_dtype == "model"
+    assert EngineConfig.from_strings({"head_dtype": ""}).head_dtype == "float32"  # unset: the default
     with pytest.raises(ConfigError, match="unknown engine setting"):
         EngineConfig.from_strings({"chunk": "5"})
 
