@@ -42,6 +42,12 @@ DEFAULT_ACTIVATION_FRACTION = 0.9
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
 
+def _dtype_name(value) -> str:
+    """A dtype setting in lower case, its alias resolved ("BF16" -> "bfloat16"); unknown names as they are."""
+    name = str(value).lower()
+    return _DTYPE_ALIASES.get(name, name)
+
+
 
 @dataclass
 class EngineConfig:
@@ -83,7 +89,7 @@ class EngineConfig:
     dtype_reason: str = field(default="", init=False, compare=False)
 
     def __post_init__(self) -> None:
-        requested = "auto" if self.dtype is None else _DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())
+        requested = "auto" if self.dtype is None else _dtype_name(self.dtype)
         if requested != "auto" and requested not in DTYPES:
             raise ConfigError(f"dtype {requested!r} is not supported; choose one of auto, {', '.join(DTYPES)}")
         self.device = str(self.device).lower()
@@ -129,7 +135,7 @@ class EngineConfig:
         self.linear_backend = str(self.linear_backend or "auto").lower()
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ConfigError(f"linear_backend {self.linear_backend!r} unknown; choose one of {', '.join(LINEAR_BACKENDS)}")
-        self.head_dtype = _DTYPE_ALIASES.get(str(self.head_dtype or "float32").lower(), str(self.head_dtype or "float32").lower())
+        self.head_dtype = _dtype_name(self.head_dtype or "float32")
         if self.head_dtype not in HEAD_DTYPES:
             raise ConfigError(f"head_dtype {self.head_dtype!r} unknown; choose one of {', '.join(HEAD_DTYPES)}")
         if self.model is not None and not os.path.isdir(str(self.model)):

@@ -138,7 +138,7 @@ def _span_bytes(spec: ModelSpec, members: list[tuple[int, int]], spans: list[tup
     head = score_head_call_bytes(kernels.score_head, block, spec.hidden_size, spec.vocab_size, e)
     outputs = sum(n * (4 + 1 + (4 + 8) + k * (4 + 8) + 2 * 12) for n, k in spans)
     into_prefix = any(n >= new for (n, _), (new, _) in zip(spans, members))  # rows gathered from the cache
-    # per row: its normed state and (a span over cached positions) the gathered one; the block's logits and log-softmax
+    # per row: its normed state and (a span over cached positions) the gathered one, and its log-softmax (`head` has its logits)
     return (head + block * (4 * spec.vocab_size + (2 if into_prefix else 1) * e * spec.hidden_size) + outputs
             + 6 * _PAGE * sum(1 for n, _ in spans if n))
 

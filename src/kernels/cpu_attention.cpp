@@ -417,7 +417,7 @@ void score_head(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, const
               "score head: k even, unit stride in k, even row strides, 4-byte aligned rows (whole bf16 pairs)");
   const bool tiles = isa == "amx_bf16";
   TORCH_CHECK(!tiles || has_amx_bf16(), "score head: this CPU (or the OS) gives no AMX-BF16 tiles");
-  const IsaEntry& e = pick_isa(tiles ? "auto" : isa);
+  const IsaEntry* e = tiles ? nullptr : &pick_isa(isa);  // checked before any early return: a bad name is an error
   if (m == 0 || vocab == 0) return;
   const uint16_t* xp = static_cast<const uint16_t*>(x.data_ptr());
   const uint16_t* wp = static_cast<const uint16_t*>(w.data_ptr());
@@ -425,7 +425,7 @@ void score_head(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, const
   const int64_t xs = x.stride(0), ws = w.stride(0), os = out.stride(0);
   if (tiles) return score_head_amx(xp, xs, wp, ws, op, os, m, k, vocab);
   // 256 vocabulary rows a grain: a block of the weight read once from memory for every row
-  at::parallel_for(0, vocab, 256, [&](int64_t n0, int64_t n1) { e.score_head_rows(xp, xs, wp, ws, op, os, m, k, n0, n1); });
+  at::parallel_for(0, vocab, 256, [&](int64_t n0, int64_t n1) { e->score_head_rows(xp, xs, wp, ws, op, os, m, k, n0, n1); });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

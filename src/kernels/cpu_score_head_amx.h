@@ -13,7 +13,7 @@
 // a row's logits are the same bits whichever rows share the call.
 //
 // Included once, inside the AMX `#pragma GCC target` region and its own namespace; the caller
-// (baseline code) has requested the OS's permission for the tile state (request_amx_permission).
+// (baseline code) has requested the OS's permission for the tile state (cpu_attention.cpp's has_amx_bf16).
 
 struct alignas(64) TileConfig {
   uint8_t palette_id;

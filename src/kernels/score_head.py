@@ -36,6 +36,7 @@ from .linear import linear
 
 HEAD_DTYPES = ("float32", "model")
 HEADS = ("linear", "cpu_amx", "cpu_pairs", "out_dtype", "upcast")
+_PAIR_HEADS = ("cpu_amx", "cpu_pairs")  # the compiled CPU kernels: they read whole bf16 pairs of each row
 log = logging.getLogger("prefillonly")
 
 _UPCAST_BLOCK_ROWS = 4096  # weight rows converted to float32 at a time by the upcast head (memory.py counts one block)
@@ -90,18 +91,26 @@ def logits(head: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     ([vocab, hidden] plain; packed only for the "linear" head) on `head`."""
     if head == "linear":
         return linear(None, x, w, None).float()
-    if head in ("cpu_amx", "cpu_pairs") and not (w.shape[1] % 2 or w.stride(0) % 2 or w.data_ptr() % 4):
+    if head in _PAIR_HEADS and not _in_pairs(w):
+        head = "upcast"  # an odd hidden size (or a weight view off its pairs): exact all the same
+    if head in _PAIR_HEADS:
         out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
-        if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:  # the kernels read whole bf16 pairs
+        if not _in_pairs(x):
             x = x.clone(memory_format=torch.contiguous_format)  # a new, aligned tensor (a 1-row view counts as contiguous)
         isa = "amx_bf16" if head == "cpu_amx" else cpu_ext.attention_isa(torch.bfloat16)
         cpu_ext.load_attention().score_head(x, w, out, isa)
         return out
     if head == "out_dtype":
         return torch.mm(x, w.t(), out_dtype=torch.float32)
-    if head in ("upcast", "cpu_amx", "cpu_pairs"):  # the CPU kernels read whole bf16 pairs: an odd hidden size cannot
+    if head == "upcast":
         return _upcast_logits(x, w)
     raise ValueError(f"unknown score head {head!r}")
+
+
+def _in_pairs(t: torch.Tensor) -> bool:
+    """Whether the compiled kernels can read bf16 matrix `t` as 32-bit pairs: unit stride in a row of
+    even length, an even row stride, 4-byte aligned."""
+    return t.stride(1) == 1 and t.shape[1] % 2 == 0 and t.stride(0) % 2 == 0 and t.data_ptr() % 4 == 0
 
 
 def _upcast_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -124,7 +133,9 @@ def call_bytes(head: str, rows: int, hidden: int, vocab: int, element_size: int)
     """Bytes one call over `rows` rows allocates: its float32 logits, and what it adds on the way
     (the model-dtype output before its cast on "linear" where that is not float32 already; the
     float32 rows and one float32 weight block on "upcast"; x packed in pairs, 16 rows at a time, on
-    "cpu_amx")."""
+    "cpu_amx"; an odd hidden size runs the pair heads as "upcast": `logits`)."""
+    if head in _PAIR_HEADS and hidden % 2:
+        head = "upcast"
     out = 4 * rows * vocab
     if head == "linear":
         return out + (element_size * rows * vocab if element_size != 4 else 0)

@@ -143,6 +143,12 @@ def test_call_bytes_count_the_float32_logits_and_what_the_head_adds(head, extra)
         assert got == (4 + extra) * rows * vocab
 
 
+@pytest.mark.parametrize("head", ["cpu_amx", "cpu_pairs"])
+def test_call_bytes_of_an_odd_hidden_size_are_the_upcast_heads(head):
+    # logits() runs such a weight on the upcast path: the prediction counts that path's rows and block
+    assert score_head.call_bytes(head, 3, 65, 40, element_size=2) == score_head.call_bytes("upcast", 3, 65, 40, element_size=2)
+
+
 def test_amx_tiles_and_avx512_agree_to_float32_summation(kernel):
     """The two CPU heads sum the same exact products in different orders: they differ by rounding only,
     and a vocabulary that is no multiple of the tiles' 32 rows gets its last rows from the AVX-512 path."""
