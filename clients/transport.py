@@ -9,9 +9,9 @@ A request that names its `user` (the prefix-cache namespace) also carries the af
 that behind the fleet's Envoy it lands on the replica holding that user's cached prefix.
 
 What the model's side defines (the names, the request rule, the affinity header and its value,
-result_json's form) is prefillonly.wire, the one wire contract: imported from the installed
+result_json's form) is prefillonly.contract.wire, the one wire contract: imported from the installed
 package, or, where only numpy and tritonclient are installed, loaded from this checkout's
-src/wire.py (a standard-library file), so that this folder runs from the repository on its own.
+src/contract/wire.py (a standard-library file), so that this folder runs from the repository on its own.
 
 Those raise what tritonclient and urllib raise. `answer()` and its parts instead return an Answer
 that says how the request ended (an answer, an error answer, none within the timeout, a failed
@@ -37,11 +37,11 @@ import numpy as np
 
 def _wire():
     try:
-        from prefillonly import wire
+        from prefillonly.contract import wire
     except ImportError:  # prefillonly not installed (it needs torch): the checkout's copy of the same file
-        path = Path(__file__).resolve().parents[1] / "src" / "wire.py"
+        path = Path(__file__).resolve().parents[1] / "src" / "contract" / "wire.py"
         if not path.is_file():
-            raise ImportError(f"clients/ needs prefillonly.wire: install prefillonly, or run it from the repository "
+            raise ImportError(f"clients/ needs prefillonly.contract.wire: install prefillonly, or run it from the repository "
                               f"(where {path} is)") from None
         spec = importlib.util.spec_from_file_location("prefillonly_wire", path)
         wire = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up

@@ -48,7 +48,7 @@ def cmd_step(args) -> dict:
     import torch
 
     from prefillonly import Engine, EngineConfig
-    from prefillonly.executor import ForwardBatch, Sequence
+    from prefillonly.worker.executor import ForwardBatch, Sequence
 
     torch.manual_seed(0)
     engine = Engine(EngineConfig(dtype=args.dtype, threads=args.threads, cache_budget_bytes=0))

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from perf import benchutil as bu
-from prefillonly.model_spec import ModelSpec
+from prefillonly.model.spec import ModelSpec
 
 SECTION = "## Engine core"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -185,16 +185,16 @@ def prefill_row(dtype_name: str, s: int, times: dict, gap: float, flops: int, pe
 
 # -- 3. peak memory, one fresh process per (system, length) ---------------------------------
 def run_peak_subprocess(system: str, length: int, threads: int, timeout_s: int) -> dict:
-    """One (system, length) measurement by `python -m prefillonly.memory_probe` in a fresh process."""
+    """One (system, length) measurement by `python -m prefillonly.worker.memory_probe` in a fresh process."""
     return run_memory_probe(system, length, threads, timeout_s, chunk=MEMORY_SYSTEMS[system] or 0,
                             dtype=MEMORY_DTYPE, inplace=system in INPLACE_SYSTEMS)
 
 
 def run_memory_probe(system: str, tokens: int, threads: int, timeout_s: float, chunk: int, dtype: str = "bfloat16",
                      inplace: bool = False, random_config: dict | None = None) -> dict:
-    """`python -m prefillonly.memory_probe` in a fresh process (docs/design.md §7's peak-growth measure):
+    """`python -m prefillonly.worker.memory_probe` in a fresh process (docs/design.md §7's peak-growth measure):
     {growth_bytes, seconds, predicted_bytes, process_s} or {error}. system "transformers" or ours."""
-    cmd = [sys.executable, "-m", "prefillonly.memory_probe", "--tokens", str(tokens), "--dtype", dtype,
+    cmd = [sys.executable, "-m", "prefillonly.worker.memory_probe", "--tokens", str(tokens), "--dtype", dtype,
            "--threads", str(threads), "--system", "transformers" if system == "transformers" else "prefillonly",
            "--chunk-size", str(chunk)]
     cmd += ["--random-config", json.dumps(random_config)] if random_config else []
@@ -257,7 +257,7 @@ def fit_growth(points: list[dict], budget_bytes: int) -> dict | None:
 
 
 def max_input_lengths(points: list[dict], budget_bytes: int, spec) -> list[dict]:
-    from prefillonly.memory import predict_peak_bytes
+    from prefillonly.worker.memory import predict_peak_bytes
 
     rows = []
     for system, chunk in MEMORY_SYSTEMS.items():
@@ -360,8 +360,8 @@ def render_memory(part: dict) -> str:
         f"Command: `{part['command']}`  \nDate: {part['date']}  \nMachine: {bu.machine_line(part['machine'])}",
         "",
         f"**Peak memory growth** ({MEMORY_DTYPE}, MiB). Each (system, length) in a fresh process: load the model, warm up on "
-        "16 tokens (`python -m prefillonly.memory_probe`), `echo 5 > /proc/self/clear_refs`, read VmRSS, run one forward, read VmHWM; growth = "
-        "VmHWM − VmRSS before (docs/design.md §7). \"predicted\" is `prefillonly.memory.predict_peak_bytes` for the same request.",
+        "16 tokens (`python -m prefillonly.worker.memory_probe`), `echo 5 > /proc/self/clear_refs`, read VmRSS, run one forward, read VmHWM; growth = "
+        "VmHWM − VmRSS before (docs/design.md §7). \"predicted\" is `prefillonly.worker.memory.predict_peak_bytes` for the same request.",
         "",
         bu.markdown_table(header, rows),
         "",

@@ -75,7 +75,7 @@ def layer_rates(dtype_name: str, shapes: list[tuple[int, int, int]], reps: int =
 
 def model_shapes(rows: int) -> list[tuple[int, int, int]]:
     """The default model's four projections at `rows` rows: (rows, in, out)."""
-    from prefillonly.model_spec import ModelSpec
+    from prefillonly.model.spec import ModelSpec
 
     spec = ModelSpec.from_folder(bu.default_model_dir())
     d, f = spec.hidden_size, spec.intermediate_size
@@ -87,8 +87,8 @@ def engine_choice(dtype_name: str) -> str:
     import torch
 
     from prefillonly.kernels.linear import resolve_linear_backend
-    from prefillonly.model_spec import ModelSpec
-    from prefillonly.weights import ModelWeights
+    from prefillonly.model.spec import ModelSpec
+    from prefillonly.model.weights import ModelWeights
 
     folder = bu.default_model_dir()
     spec = ModelSpec.from_folder(folder)

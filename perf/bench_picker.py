@@ -27,7 +27,7 @@ from clients.transport import json_body, post
 from perf import benchutil as bu
 from prefillonly.serving.host.fleet import LocalFleet
 from prefillonly.serving.host.model_settings import copy_model_repository
-from prefillonly.wire import USER_HEADER
+from prefillonly.contract.wire import USER_HEADER
 
 SECTION = "## Fleet picker on real replicas"
 PROFILE, ALLOWED = 256, [9230, 2838]

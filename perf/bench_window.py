@@ -5,7 +5,7 @@
 1. The attention of one layer alone (the compiled CPU kernel, the call the executor makes), Gemma 3
    1B's heads (4 query heads, 1 KV head, head_dim 256): a sliding layer (window 1,024) against a full
    one, median of --reps calls each, interleaved.
-2. The whole forward in fresh processes (prefillonly.memory_probe: time and peak-RSS growth beside the
+2. The whole forward in fresh processes (prefillonly.worker.memory_probe: time and peak-RSS growth beside the
    prediction), interleaved per length: the model with its windows, the same model forced to full
    attention (every layer `full_attention`), and transformers' own forward (its default attention) on
    the windowed model at the lengths in --hf-lengths.

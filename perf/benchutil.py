@@ -116,15 +116,15 @@ def _lscpu_field(name: str) -> str | None:
 
 def default_model_dir() -> str:
     """The default model's converted safetensors folder (made on first use)."""
-    from prefillonly.default_model import ensure_default_model
-    from prefillonly.paths import default_cache_dir
+    from prefillonly.model.default_model import ensure_default_model
+    from prefillonly.contract.paths import default_cache_dir
 
     return ensure_default_model(default_cache_dir())
 
 
 def rss_bytes(pid: int | str = "self") -> int | None:
     """A process's resident bytes now (VmRSS, from /proc/PID/statm), None once it is gone. Where
-    prefillonly imports, prefillonly.memory reads the peak (VmHWM)."""
+    prefillonly imports, prefillonly.worker.memory reads the peak (VmHWM)."""
     try:
         return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, IndexError, ValueError):

@@ -129,7 +129,7 @@ def inner_ours_offline(args) -> dict:
     import torch
 
     from prefillonly import Engine, EngineConfig
-    from prefillonly.memory import status_bytes
+    from prefillonly.worker.memory import status_bytes
 
     torch.set_num_threads(args.threads)
     trace = wl.load_trace(args.trace)
@@ -184,7 +184,7 @@ def inner_hf_offline(args) -> dict:
     import torch
 
     from perf import bench_core
-    from prefillonly.memory import status_bytes
+    from prefillonly.worker.memory import status_bytes
 
     torch.set_num_threads(args.threads)
     trace = wl.load_trace(args.trace)
@@ -501,7 +501,7 @@ def engine_would_use_inplace(spec, tokens: int, budget: int) -> bool:
     ordinary hybrid path does not fit (scheduler.forward_plan.attention_in_place)."""
     import torch
 
-    from prefillonly.memory import predict_peak_bytes
+    from prefillonly.worker.memory import predict_peak_bytes
 
     return predict_peak_bytes(spec, tokens, CHUNK, torch.bfloat16, inplace_attention=False) > budget
 
@@ -509,13 +509,13 @@ def engine_would_use_inplace(spec, tokens: int, budget: int) -> bool:
 def mil_for_system(system: str, args, budget: int, model_dir: str, core: dict) -> dict:
     """Lengths tried (real model, then the 2-layer model), stopping at the first failure; then the MIL."""
     from perf.bench_core import describe_point, fit_growth, run_memory_probe
-    from prefillonly.model_spec import ModelSpec
+    from prefillonly.model.spec import ModelSpec
 
     core_name = "hybrid-inplace" if system == "ours" else "transformers"
     tried = []
 
     def probe(tokens: int, random_config: dict | None, inplace: bool, method: str) -> dict:
-        """One peak-growth measurement by `python -m prefillonly.memory_probe` in a fresh process."""
+        """One peak-growth measurement by `python -m prefillonly.worker.memory_probe` in a fresh process."""
         what = f"mil {system} {tokens} tokens ({method}{', in-place attention' if inplace else ''})"
         bu.log(f"{what} ...")
         r = run_memory_probe(system, tokens, args.threads, args.probe_timeout, chunk=CHUNK, inplace=inplace,

@@ -38,12 +38,12 @@ import torch
 import torch.nn.functional as F
 
 from perf import benchutil as bu
-from prefillonly.executor import ForwardBatch, HybridPrefillExecutor, Sequence
+from prefillonly.worker.executor import ForwardBatch, HybridPrefillExecutor, Sequence
 from prefillonly.kernels.backend import KernelBackend
 from prefillonly.kernels import gpu_support
-from prefillonly.memory import PeakMemoryMeter, predict_peak_bytes
-from prefillonly.model_spec import ModelSpec
-from prefillonly.weights import ModelWeights
+from prefillonly.worker.memory import PeakMemoryMeter, predict_peak_bytes
+from prefillonly.model.spec import ModelSpec
+from prefillonly.model.weights import ModelWeights
 
 H200_DATASHEET_BF16_FLOPS = 989e12  # dense bf16, the datasheet peak
 

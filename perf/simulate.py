@@ -77,7 +77,7 @@ from perf import workloads as wl
 from perf.envoy_hashing import EnvoyPlacement, classify_moves
 from prefillonly.cache.index import PrefixIndex
 from prefillonly.config import DEFAULT_MAX_BATCH_TOKENS, EngineConfig
-from prefillonly.errors import OverloadedError
+from prefillonly.contract.errors import OverloadedError
 from prefillonly.serving.picker.choice import DEFAULT_WORK_WEIGHT, Picker
 from prefillonly.scheduler import (DEFAULT_LAMBDA_TOKENS_PER_S, IndexPrefixView, JctEstimator, Scheduler, StepBudget, StepOutcome,
                                    WaitingRequest)
@@ -221,7 +221,7 @@ def credit_workload(scale="paper", seed: int = 0, block_size: int = DEFAULT_BLOC
 
 def trace_workload(trace: wl.Trace, block_size: int = DEFAULT_BLOCK, model_id: str = "sim") -> Workload:
     """The same from a real id trace, keyed by the engine's chained block hashes (slow at paper scale)."""
-    from prefillonly.cache.block_hash import block_hashes, namespace_root
+    from prefillonly.contract.block_keys import block_hashes, namespace_root
 
     root = namespace_root(model_id, None)
     reqs = [SimRequest(r.request_id, r.user, r.index_in_user, len(r.prompt_token_ids), r.cache_prefix_len,

@@ -4,7 +4,7 @@ Public API (docs/design.md §5): Engine, EngineConfig, ScoreResult, TokenScore, 
 PromptLogprobs and the errors.
 """
 
-from .errors import (
+from .contract.errors import (
     ConfigError,
     DeadlineExceededError,
     EngineClosedError,
@@ -19,8 +19,8 @@ from .errors import (
 # Engine, EngineConfig and the result types are loaded on first use (PEP 562), so that importing
 # a tensor-free part of the package (the scheduler, the cache index, the wire protocol, the
 # frontend's schemas) does not pay for torch: `import prefillonly.scheduler` runs this file first.
-_LAZY = {"Engine": ".engine", "EngineConfig": ".config", "ScoreResult": ".result", "TokenScore": ".result",
-         "ContinuationScore": ".result", "PromptLogprobs": ".result"}
+_LAZY = {"Engine": ".engine", "EngineConfig": ".config", "ScoreResult": ".contract.wire", "TokenScore": ".contract.wire",
+         "ContinuationScore": ".contract.wire", "PromptLogprobs": ".contract.wire"}
 
 
 def __getattr__(name: str):

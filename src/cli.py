@@ -13,7 +13,7 @@ import sys
 from dataclasses import fields
 
 from .config import EngineConfig
-from .errors import PrefillOnlyError
+from .contract.errors import PrefillOnlyError
 
 # The EngineConfig settings `score` takes as flags (--chunk-size for chunk_size), in --help order;
 # each flag's default and help come from the field.
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if a.command == "prepare":
-            from .default_model import ensure_default_model
+            from .model.default_model import ensure_default_model
 
             print(ensure_default_model(a.cache_dir))
             from .kernels import cpu_ext

@@ -19,15 +19,15 @@ from dataclasses import MISSING, dataclass, field, fields
 
 import torch
 
-from .errors import ConfigError
+from .contract.errors import ConfigError
 from .hardware import resolve_dtype
 from .kernels.attention import BACKENDS
 from .kernels.linear import LINEAR_BACKENDS
 from .kernels.score_head import HEAD_DTYPES
-from .limits import DEFAULT_MAX_ITEMS, default_max_prompts
-from .paths import default_cache_dir
+from .contract.limits import DEFAULT_MAX_ITEMS, default_max_prompts
+from .contract.paths import default_cache_dir
 from .scheduler.policy import DEFAULT_LAMBDA_TOKENS_PER_S, DEFAULT_MAX_WAITING, POLICIES
-from .setting_strings import is_unset, optional_int
+from .contract.setting_strings import is_unset, optional_int
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Uncached tokens per forward step by device type. CPU: from perf/bench_batching.py's sweep

@@ -33,21 +33,21 @@ import torch
 from .cache.prefix_cache import PrefixCache
 from .completions import CompletionThread
 from .config import EngineConfig
-from .default_model import ensure_default_model
-from .errors import ConfigError, EngineClosedError, InvalidRequestError
-from .executor import HybridPrefillExecutor
+from .model.default_model import ensure_default_model
+from .contract.errors import ConfigError, EngineClosedError, InvalidRequestError
+from .worker.executor import HybridPrefillExecutor
 from .kernels.backend import KernelBackend
-from .limits import RequestLimits, max_token_bytes
-from .memory import ActivationBudget, available_memory_bytes
-from .model_spec import ModelSpec
+from .contract.limits import RequestLimits, max_token_bytes
+from .worker.memory import ActivationBudget, available_memory_bytes
+from .model.spec import ModelSpec
 from .prompts import PromptEncoder
 from .request import (Request, RequestFuture, check_cache_prefix_len, check_deadline, check_length, check_namespace,
                       check_priority, check_span_top_k, check_top_k)
-from .result import ContinuationScore, PromptLogprobs, ScoreResult
-from .runner import PrefillRunner
+from .contract.wire import ContinuationScore, PromptLogprobs, ScoreResult
+from .worker.runner import PrefillRunner
 from .scheduler import Answer, IndexPrefixView, JctEstimator, Scheduler, StepBudget, StepOutcome, StepPlan
 from .stats import EngineStats, StepRecord
-from .weights import ModelWeights
+from .model.weights import ModelWeights
 
 log = logging.getLogger("prefillonly")
 

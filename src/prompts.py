@@ -9,8 +9,9 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 
-from .errors import InvalidRequestError
-from .limits import RequestLimits
+from .contract.errors import InvalidRequestError
+from .contract.limits import RequestLimits
+from .contract.token_texts import TokenTexts
 from .request import ITEM_PLACEHOLDER, check_item_template
 
 
@@ -185,21 +186,6 @@ class PromptEncoder:
         if not 0 <= value < self.vocab_size:
             raise InvalidRequestError(f"{what} {value} is outside the vocabulary [0, {self.vocab_size})")
         return value
-
-
-class TokenTexts:
-    """One token's text as the engine reports it (no clean-up of spaces), decoded once per id: a
-    logprob span (echo) names a token at every position. Used by the engine and the frontend."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self._texts: dict[int, str] = {}  # at most the vocabulary
-
-    def __call__(self, token_id: int) -> str:
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self._texts[token_id] = self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
-        return text
 
 
 def decode_utf8(data: bytes, what: str) -> str:

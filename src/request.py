@@ -16,7 +16,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from .errors import InvalidRequestError, PromptTooLongError
+from .contract.errors import InvalidRequestError, PromptTooLongError
 
 ITEM_PLACEHOLDER = "{item}"
 MAX_SPAN_TOP_K = 20  # top tokens per position of a logprob span (OpenAI's legacy `logprobs` allows 5, vLLM 20)

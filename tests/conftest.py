@@ -109,7 +109,7 @@ def family_folders(tmp_path_factory):
 @pytest.fixture(scope="session")
 def default_model_path():
     from prefillonly.config import default_cache_dir
-    from prefillonly.default_model import ensure_default_model
+    from prefillonly.model.default_model import ensure_default_model
 
     return ensure_default_model(default_cache_dir())
 

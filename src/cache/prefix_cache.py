@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..prefix_io import KVSink, PrefixSource
-from .block_hash import block_hashes, namespace_root
+from .prefix_io import KVSink, PrefixSource
+from ..contract.block_keys import block_hashes, namespace_root
 from .index import Block, CacheStats, IndexTicket, Move, PrefixIndex
 from .kv_pool import KVPool
 

@@ -19,13 +19,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError
-from ..limits import DEFAULT_MAX_ITEMS, default_max_prompts
-from ..paths import default_cache_dir
+from ..contract.errors import ConfigError
+from ..contract.limits import DEFAULT_MAX_ITEMS, default_max_prompts
+from ..contract.paths import default_cache_dir
 from ..scheduler.policy import DEFAULT_MAX_WAITING
 from ..serving.host.model_settings import engine_settings
-from ..setting_strings import is_unset, optional_int
-from ..wire import MODEL
+from ..contract.setting_strings import is_unset, optional_int
+from ..contract.wire import MODEL
 from .presets import PRESETS_FILE, TemplateTokenizer, load_presets
 from .scoring import DEFAULT_MAX_PROMPTS_PER_CALL, Limits, Scoring
 from .upstream import TritonUpstream
@@ -71,8 +71,8 @@ def build_scoring(model_repository: str | Path, triton_grpc: str, model_name: st
     request, so it is capped at the engine's max_waiting (the queue must take the call whole)."""
     from transformers import AutoTokenizer
 
-    from ..default_model import ensure_default_model
-    from ..model_spec import ModelSpec
+    from ..model.default_model import ensure_default_model
+    from ..model.spec import ModelSpec
 
     model_dir = Path(model_repository) / model_name
     settings = ServedSettings.read(model_dir)

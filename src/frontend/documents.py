@@ -4,7 +4,7 @@ the keys `rank_fields` names, in order) is scored and whose every key, extra one
 
 from __future__ import annotations
 
-from .errors import APIError
+from .error_shapes import APIError
 from .schemas import TextDocument
 
 

@@ -16,7 +16,7 @@ One choice per prompt, in order:
 
 from __future__ import annotations
 
-from ..wire import PromptLogprobs, ScoreResult, TokenScore
+from ..contract.wire import PromptLogprobs, ScoreResult, TokenScore
 
 
 def echo_choice(index: int, prompt_ids: list[int], answer: PromptLogprobs | ScoreResult, token_text, top_k: int,

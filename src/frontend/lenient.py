@@ -16,7 +16,7 @@ import logging
 
 from pydantic import BaseModel
 
-from .errors import APIError
+from .error_shapes import APIError
 
 log = logging.getLogger("prefillonly.frontend")
 IGNORED_HEADER = "x-prefillonly-ignored-fields"

@@ -27,8 +27,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError, InvalidRequestError
-from ..prompts import TokenTexts
+from ..contract.errors import ConfigError, InvalidRequestError
+from ..contract.token_texts import TokenTexts
 
 PRESETS_FILE = "scoring_presets.json"
 QUERY, DOCUMENT, INSTRUCTION = "{query}", "{document}", "{instruction}"
@@ -95,7 +95,7 @@ class TemplateTokenizer:
         return query_ids[:shared], [ids[shared:] for ids in joined]
 
     def token_text(self, token_id: int) -> str:
-        """One token's text, as the engine decodes it (prompts.TokenTexts)."""
+        """One token's text, as the engine decodes it (contract/token_texts.py)."""
         return self._texts(token_id)
 
     def single_token(self, label: str) -> int | None:

@@ -33,11 +33,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from ..errors import PrefillOnlyError
-from ..wire import INTERNAL, USER_HEADER, ScoreResult
+from ..contract.errors import PrefillOnlyError
+from ..contract.wire import INTERNAL, USER_HEADER, ScoreResult
 from .documents import document_text, returned_document
 from .echo import echo_choice
-from .errors import APIError, error_response, validation_message
+from .error_shapes import APIError, error_response, validation_message
 from .lenient import IGNORED_HEADER, ignored_fields
 from .schemas import CompletionRequest, PairScoreRequest, RerankRequest, ScoreRequest, TeiRerankRequest
 from .scoring import Scored, Scoring, log_odds, relevance

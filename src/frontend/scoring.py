@@ -9,9 +9,9 @@ import asyncio
 import math
 from dataclasses import dataclass, field
 
-from ..limits import DEFAULT_MAX_ITEMS
-from ..wire import ScoreResult, TokenScore
-from .errors import APIError
+from ..contract.limits import DEFAULT_MAX_ITEMS
+from ..contract.wire import ScoreResult, TokenScore
+from .error_shapes import APIError
 from .presets import QUERY, DOCUMENT, Rendered, ScoringPreset, TemplateTokenizer
 from .upstream import TritonUpstream, UpstreamError
 

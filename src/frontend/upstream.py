@@ -8,7 +8,7 @@ until every answer is in (Triton's decoupled model answers each request once).
     upstream = TritonUpstream("127.0.0.1:8001")
     results = await upstream.score_items(shared_ids, item_ids, label_ids, user="u1")   # list[ScoreResult]
 
-Each result is a ScoreResult (prefillonly.wire, decoded from its `result_json` output): tokens
+Each result is a ScoreResult (prefillonly.contract.wire, decoded from its `result_json` output): tokens
 [TokenScore(id, text, logprob, prob)], chosen, top_k, prompt_tokens, cached_tokens; the
 prompt_logprobs task's is a PromptLogprobs. Requests are
 built by the clients' rule (wire.request_fields, wire.infer_inputs), the affinity header by its
@@ -25,7 +25,7 @@ import grpc
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from ..wire import (INTERNAL, MODEL, PROMPT_LOGPROBS, RESULT_JSON, UNAVAILABLE, PromptLogprobs, ScoreResult, code_of,
+from ..contract.wire import (INTERNAL, MODEL, PROMPT_LOGPROBS, RESULT_JSON, UNAVAILABLE, PromptLogprobs, ScoreResult, code_of,
                     decode_answers, infer_inputs, request_fields, routing_headers)
 
 

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from ..paths import default_cache_dir
+from ..contract.paths import default_cache_dir
 from .gpu_support import interpreting, triton_version
 
 CANDIDATES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 128, 4, 2), (128, 64, 4, 4)]

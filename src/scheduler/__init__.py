@@ -7,7 +7,7 @@ typed, final StepPlan (plan.py): the step is plan = schedule(), outcome = runner
 answers = finish(plan, outcome).
 """
 
-from .jct import JctCoefficients, JctEstimator
+from ..contract.jct import JctCoefficients, JctEstimator
 from .plan import (Answer, ItemsPlan, Schedulable, StepBudget, StepMember, StepMemory, StepOutcome, StepPlan, TokenSplit,
                    WaitingRequest)
 from .policy import DEFAULT_LAMBDA_TOKENS_PER_S, DEFAULT_MAX_WAITING, POLICIES, Scheduler, error_code

@@ -13,7 +13,7 @@ pick time (on the member's real split), so a prompt that can never fit is refuse
 
 from __future__ import annotations
 
-from ..errors import OverBudgetError
+from ..contract.errors import OverBudgetError
 from .plan import ItemsPlan, StepBudget, TokenSplit
 
 

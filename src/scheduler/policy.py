@@ -35,11 +35,11 @@ import itertools
 import time
 from collections.abc import Callable
 
-from ..errors import DeadlineExceededError, OverloadedError, PrefillOnlyError
+from ..contract.errors import DeadlineExceededError, OverloadedError, PrefillOnlyError
 from ..stats import EngineCounters
 from .forward_plan import attention_in_place, item_modes, plan_items
 from .groups import group_costs
-from .jct import JctEstimator
+from ..contract.jct import JctEstimator
 from .plan import Answer, Schedulable, StepBudget, StepMember, StepOutcome, StepPlan, TokenSplit, span_of
 from .prefix_view import NoPrefixCache, PrefixView
 

@@ -1,5 +1,5 @@
 import sys
 
-from .host.cli import main
+from .host.commands import main
 
 sys.exit(main())

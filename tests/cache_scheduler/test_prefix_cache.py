@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from prefillonly import Engine, EngineConfig, InvalidRequestError
-from prefillonly.cache.block_hash import block_hashes, namespace_root
+from prefillonly.contract.block_keys import block_hashes, namespace_root
 from prefillonly.cache.index import PrefixIndex
 from prefillonly.cache.kv_pool import KVPool
 from prefillonly.cache.prefix_cache import PrefixCache

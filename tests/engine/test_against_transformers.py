@@ -14,12 +14,12 @@ import dataclasses
 import pytest
 import torch
 
-from prefillonly.executor import HybridPrefillExecutor
+from prefillonly.worker.executor import HybridPrefillExecutor
 
 from prefillonly.kernels.backend import KernelBackend
 from prefillonly.kernels.linear import why_onednn_unavailable
-from prefillonly.model_spec import ModelSpec
-from prefillonly.weights import ModelWeights
+from prefillonly.model.spec import ModelSpec
+from prefillonly.model.weights import ModelWeights
 
 from ..conftest import FAMILY_CONFIGS
 from ..reference import hf_logprobs, load_hf, max_abs

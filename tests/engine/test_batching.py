@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from prefillonly import DeadlineExceededError, Engine, EngineConfig, OverBudgetError
-from prefillonly.prefix_io import PrefixKV
-from prefillonly.executor import ForwardBatch, HybridPrefillExecutor, Sequence
+from prefillonly.cache.prefix_io import PrefixKV
+from prefillonly.worker.executor import ForwardBatch, HybridPrefillExecutor, Sequence
 from prefillonly.kernels.backend import KernelBackend
-from prefillonly.model_spec import ModelSpec
+from prefillonly.model.spec import ModelSpec
 from prefillonly.cache.index import PrefixIndex
 from prefillonly.scheduler.forward_plan import plan_items
 from prefillonly.scheduler import IndexPrefixView, JctEstimator, Scheduler, StepBudget, StepOutcome, TokenSplit, WaitingRequest
-from prefillonly.weights import ModelWeights
+from prefillonly.model.weights import ModelWeights
 
 from ..conftest import FAMILY_CONFIGS
 from ..reference import hf_logprobs, load_hf, max_abs

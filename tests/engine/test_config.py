@@ -7,7 +7,7 @@ import json
 import pytest
 
 from prefillonly import ConfigError, EngineConfig, UnsupportedModelError
-from prefillonly.model_spec import ModelSpec
+from prefillonly.model.spec import ModelSpec
 
 
 @pytest.mark.parametrize(

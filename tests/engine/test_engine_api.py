@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from prefillonly import Engine, EngineConfig, InvalidRequestError, OverBudgetError, PromptTooLongError
-from prefillonly.errors import EngineClosedError
-from prefillonly.memory_probe import release_free_heap
+from prefillonly.contract.errors import EngineClosedError
+from prefillonly.worker.memory_probe import release_free_heap
 
 PROMPT = "Is the sky blue on a clear day? Answer:"
 

@@ -1,4 +1,4 @@
-"""Request size limits (prefillonly.limits): checked before any expensive work, each refused as
+"""Request size limits (prefillonly.contract.limits): checked before any expensive work, each refused as
 invalid_request naming the limit; the derived byte bound never refuses a prompt that would fit."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from prefillonly import EngineConfig
-from prefillonly.errors import ConfigError, InvalidRequestError, PromptTooLongError
-from prefillonly.limits import max_token_bytes
+from prefillonly.contract.errors import ConfigError, InvalidRequestError, PromptTooLongError
+from prefillonly.contract.limits import max_token_bytes
 from prefillonly.serving.model.protocol import parse_request
 
 

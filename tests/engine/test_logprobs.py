@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from prefillonly import InvalidRequestError
-from prefillonly.executor import ForwardBatch, HybridPrefillExecutor, Sequence
+from prefillonly.worker.executor import ForwardBatch, HybridPrefillExecutor, Sequence
 from prefillonly.kernels.backend import KernelBackend
-from prefillonly.model_spec import ModelSpec
-from prefillonly.weights import ModelWeights
-from prefillonly.workspace import LOGPROB_ROWS
+from prefillonly.model.spec import ModelSpec
+from prefillonly.model.weights import ModelWeights
+from prefillonly.worker.workspace import LOGPROB_ROWS
 
 from ..conftest import FAMILY_CONFIGS
 from ..reference import load_hf

@@ -1,5 +1,5 @@
 """Peak memory, measured as docs define it: peak-RSS growth over the RSS after loading, one
-fresh process per run (python -m prefillonly.memory_probe).
+fresh process per run (python -m prefillonly.worker.memory_probe).
 
 Random config with FFN = 8 x hidden, where the MLP intermediates dominate an unchunked pass.
 
@@ -56,7 +56,7 @@ def allowance(r: dict) -> int:
 
 def probe(tokens: int, chunk_size: int, dtype: str = "bfloat16", backend: str = "cpu_flash", config=CONFIG, *flags,
           env: dict | None = None) -> dict:
-    cmd = [sys.executable, "-m", "prefillonly.memory_probe", "--tokens", str(tokens), "--chunk-size", str(chunk_size),
+    cmd = [sys.executable, "-m", "prefillonly.worker.memory_probe", "--tokens", str(tokens), "--chunk-size", str(chunk_size),
            "--dtype", dtype, "--random-config", json.dumps(config), "--threads", "2", "--attention-backend", backend, *flags]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
     assert out.returncode == 0, out.stderr[-2000:]
@@ -176,8 +176,8 @@ def test_prediction_grows_with_length_and_chunk():
     import transformers
     import torch
 
-    from prefillonly.memory import predict_peak_bytes
-    from prefillonly.model_spec import ModelSpec
+    from prefillonly.worker.memory import predict_peak_bytes
+    from prefillonly.model.spec import ModelSpec
 
     cfg = transformers.LlamaConfig(**CONFIG)
     cfg.architectures = ["LlamaForCausalLM"]

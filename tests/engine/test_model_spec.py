@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, Phi3Config, Qwen3Config
 
-from prefillonly.model_spec import ModelSpec
+from prefillonly.model.spec import ModelSpec
 
 SHAPES = {
     # Llama-3.1-8B (perf/gpu_check.py's performance model)
@@ -97,7 +97,7 @@ REFUSED = [
                                                            "gemma3_bidirectional", "gemma3_global_dynamic_rope",
                                                            "llama_longrope", "phi3_odd_rotary_dims"])
 def test_unsupported_configs_are_refused_by_name(config, message):
-    from prefillonly.errors import UnsupportedModelError
+    from prefillonly.contract.errors import UnsupportedModelError
 
     with pytest.raises(UnsupportedModelError, match=message) as refused:
         ModelSpec.from_hf_config(config)

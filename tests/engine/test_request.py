@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from prefillonly import InvalidRequestError, PromptTooLongError
-from prefillonly.limits import RequestLimits
+from prefillonly.contract.limits import RequestLimits
 from prefillonly.prompts import PromptEncoder
 from prefillonly.request import (Request, check_cache_prefix_len, check_deadline, check_item_template, check_length,
                                  check_namespace, check_priority, check_top_k)

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from prefillonly import Engine, EngineConfig
-from prefillonly.executor import ForwardBatch, HybridPrefillExecutor, Sequence
+from prefillonly.worker.executor import ForwardBatch, HybridPrefillExecutor, Sequence
 from prefillonly.kernels.backend import KernelBackend
-from prefillonly.model_spec import ModelSpec
-from prefillonly.scoring import score_logits
-from prefillonly.weights import ModelWeights
+from prefillonly.model.spec import ModelSpec
+from prefillonly.worker.outputs import score_logits
+from prefillonly.model.weights import ModelWeights
 
 from ..conftest import FAMILY_CONFIGS
 from ..reference import load_hf

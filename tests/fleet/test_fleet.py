@@ -22,7 +22,7 @@ import torch
 
 from clients.transport import json_body, post
 from prefillonly.cache.prefix_cache import PrefixCache
-from prefillonly.model_spec import ModelSpec
+from prefillonly.model.spec import ModelSpec
 from prefillonly.serving.host.envoy_config import REPLICA_HEADER, USER_HEADER
 from prefillonly.serving.host.fleet import LocalFleet
 from prefillonly.serving.host.model_settings import copy_model_repository

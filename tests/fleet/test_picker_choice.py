@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefillonly.scheduler.jct import JctCoefficients, JctEstimator
+from prefillonly.contract.jct import JctCoefficients, JctEstimator
 from prefillonly.serving.picker.choice import HeldBlocks, Picker
 
 COEF = JctCoefficients(fixed_s=0.01, per_token_s=1e-3, attention_s=1e-7)

@@ -18,7 +18,7 @@ from clients.transport import post
 from prefillonly.serving.host.addresses import free_ports
 from prefillonly.serving.host.envoy import EnvoyProxy
 from prefillonly.serving.host.envoy_config import DEFAULT_MAX_REQUEST_BYTES, FrontDoor, Upstream
-from prefillonly.wire import REPLICA_HEADER
+from prefillonly.contract.wire import REPLICA_HEADER
 
 from ..serving.test_faults import supervised
 

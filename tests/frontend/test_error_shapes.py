@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from prefillonly.frontend.errors import APIError, error_response
+from prefillonly.frontend.error_shapes import APIError, error_response
 
 CASES = [  # (error, tei status, tei error_type, openai status)
     (APIError("documents[1] is bad"), 422, "Validation", 400),

@@ -14,7 +14,7 @@ import pytest
 
 from prefillonly.frontend.presets import PRESETS_FILE
 from prefillonly.serving.host.prometheus import scrape_metrics
-from prefillonly.wire import USER_HEADER
+from prefillonly.contract.wire import USER_HEADER
 
 from ..serving.test_faults import REPO, supervised
 from .test_frontend_presets import published_qwen3_ids

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from prefillonly.errors import ConfigError, InvalidRequestError
+from prefillonly.contract.errors import ConfigError, InvalidRequestError
 from prefillonly.frontend.app import ServedSettings
 from prefillonly.frontend.presets import PRESETS_FILE, TemplateTokenizer, load_presets
 

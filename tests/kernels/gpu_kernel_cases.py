@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from prefillonly.cache.prefix_cache import PrefixCache
-from prefillonly.executor import ForwardBatch, HybridPrefillExecutor, Sequence
+from prefillonly.worker.executor import ForwardBatch, HybridPrefillExecutor, Sequence
 from prefillonly.kernels.backend import KernelBackend
 from prefillonly.kernels import gpu_support
 from prefillonly.kernels.attention import banded_attention, causal_attention, resolve_backend
 from prefillonly.kernels.gpu_attention import BatchLayout, prefill_attention
 from prefillonly.kernels import gpu_ops
-from prefillonly.model_spec import ModelSpec
-from prefillonly.weights import ModelWeights
+from prefillonly.model.spec import ModelSpec
+from prefillonly.model.weights import ModelWeights
 
 from ..conftest import FAMILY_CONFIGS, make_random_model
 from ..reference import attention_float64, hf_logprobs, load_hf, max_abs

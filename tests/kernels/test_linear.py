@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from prefillonly.config import EngineConfig
-from prefillonly.errors import ConfigError
+from prefillonly.contract.errors import ConfigError
 from prefillonly.hardware import onednn_native_bf16
 from prefillonly.kernels.linear import (LINEAR_BACKENDS, allocates_output, call_scratch_bytes, choose, linear, pack,
                                         resolve_linear_backend, weight_nbytes, why_onednn_unavailable)
-from prefillonly.model_spec import ModelSpec
-from prefillonly.weights import ModelWeights
-from prefillonly.workspace import plan_workspace
+from prefillonly.model.spec import ModelSpec
+from prefillonly.model.weights import ModelWeights
+from prefillonly.worker.workspace import plan_workspace
 
 from ..conftest import FAMILY_CONFIGS
 

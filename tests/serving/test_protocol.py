@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from prefillonly import InvalidRequestError
-from prefillonly.result import ScoreResult, TokenScore
+from prefillonly.contract.wire import ScoreResult, TokenScore
 from prefillonly.serving.model.protocol import parse_request, results_to_outputs
 
 
@@ -54,7 +54,7 @@ def test_bad_item_ids_name_the_problem(tensors, match):
 
 
 def test_item_ids_count_against_max_items():
-    from prefillonly.limits import RequestLimits
+    from prefillonly.contract.limits import RequestLimits
 
     limits = RequestLimits(max_prompt_bytes=100, max_prompts_per_request=4, max_items=2, max_allowed_tokens=4, max_token_bytes=8)
     with pytest.raises(InvalidRequestError, match="max_items"):
@@ -113,8 +113,8 @@ def test_bad_task_requests_name_the_problem(tensors, match):
 
 
 def test_task_outputs_are_result_json_and_token_counts():
-    from prefillonly.result import ContinuationScore, PromptLogprobs
-    from prefillonly.wire import decode_answers
+    from prefillonly.contract.wire import ContinuationScore, PromptLogprobs
+    from prefillonly.contract.wire import decode_answers
 
     scores = [ContinuationScore(-1.5, True, 2, [-1.0, -0.5], context_tokens=7, cached_tokens=4),
               ContinuationScore(-3.0, False, 1, [-3.0], context_tokens=7, cached_tokens=4)]

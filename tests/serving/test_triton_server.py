@@ -241,7 +241,7 @@ def test_default_model_over_http_generate(tmp_path):
 
 
 def test_error_status_by_code():
-    from prefillonly.errors import InvalidRequestError, OverloadedError
+    from prefillonly.contract.errors import InvalidRequestError, OverloadedError
     from prefillonly.serving.model.protocol import error_reply
 
     assert error_reply(OverloadedError("1 requests already waiting")) == ("UNAVAILABLE", "overloaded: 1 requests already waiting")
@@ -251,18 +251,18 @@ def test_error_status_by_code():
 
 
 def test_forwarder_answers_each_code_with_the_engine_models_status(monkeypatch):
-    """The forwarder imports only prefillonly.wire (standard library: no engine, no torch in its 8
+    """The forwarder imports only prefillonly.contract.wire (standard library: no engine, no torch in its 8
     stubs), no copy of the codes, and recovers from a target's message the status the target chose."""
     import importlib.util
     import sys
     import types
 
-    from prefillonly.errors import EngineClosedError, InvalidRequestError, OverloadedError
+    from prefillonly.contract.errors import EngineClosedError, InvalidRequestError, OverloadedError
     from prefillonly.serving.model.protocol import error_reply
 
     source = (REPO / "prefillonly_sync" / "1" / "model.py").read_text()
     imported = {n.module for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom)}
-    assert imported == {"prefillonly.wire"} and "RETRY_LATER_CODES" not in source
+    assert imported == {"prefillonly.contract.wire"} and "RETRY_LATER_CODES" not in source
     statuses = types.SimpleNamespace(UNAVAILABLE="UNAVAILABLE", INVALID_ARG="INVALID_ARG", INTERNAL="INTERNAL",
                                      CANCELLED="CANCELLED")  # pb_utils.TritonError's, by name
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.SimpleNamespace(TritonError=statuses))

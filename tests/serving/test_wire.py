@@ -1,4 +1,4 @@
-"""The wire contract (prefillonly.wire) without a server: the models' configs declare exactly its
+"""The wire contract (prefillonly.contract.wire) without a server: the models' configs declare exactly its
 tensors, results survive result_json, requests and the affinity header follow one rule, error
 codes map to one status each, and clients/ runs on it without prefillonly installed."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prefillonly import wire
-from prefillonly.wire import ScoreResult, TokenScore
+from prefillonly.contract import wire
+from prefillonly.contract.wire import ScoreResult, TokenScore
 
 ROOT = Path(__file__).resolve().parents[2]
 _TENSOR = re.compile(r'\{\s*name:\s*"(\w+)"\s*data_type:\s*(\w+)\s*dims:\s*\[([^\]]*)\]')
@@ -40,7 +40,7 @@ def result(p_yes: float = 0.75, **extra) -> ScoreResult:
 
 
 def test_results_come_back_as_the_same_frozen_result():
-    from prefillonly.result import ScoreResult as EngineResult
+    from prefillonly.contract.wire import ScoreResult as EngineResult
     from prefillonly.serving.model.protocol import results_to_outputs
 
     assert EngineResult is ScoreResult  # the engine's result is the wire's
@@ -59,7 +59,7 @@ def test_results_come_back_as_the_same_frozen_result():
 def test_one_status_per_code():
     from concurrent.futures import CancelledError
 
-    from prefillonly.errors import EngineClosedError, InvalidRequestError, OverloadedError, PromptTooLongError
+    from prefillonly.contract.errors import EngineClosedError, InvalidRequestError, OverloadedError, PromptTooLongError
     from prefillonly.serving.model.protocol import error_reply
 
     assert wire.code_of("overloaded: 3 waiting") == "overloaded" and wire.code_of(" internal : x") == "internal"
@@ -120,7 +120,7 @@ sys.meta_path.insert(0, Block())
 
 
 def test_clients_run_with_only_numpy_and_tritonclient():
-    """Without the prefillonly package (it needs torch), clients/ loads the checkout's src/wire.py:
+    """Without the prefillonly package (it needs torch), clients/ loads the checkout's src/contract/wire.py:
     imported as a package (tests, benchmarks) and run as a script."""
     package = _BLOCK_PREFILLONLY + (
         "import clients.prefillonly_client, clients.transport as t, json\n"

@@ -21,12 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 import triton_python_backend_utils as pb_utils
 
 from prefillonly import Engine, EngineConfig
-from prefillonly.errors import InvalidRequestError
+from prefillonly.contract.errors import InvalidRequestError
 from prefillonly.serving.model.drain import DrainWatch, drain_file_from_env
 from prefillonly.serving.model.inflight import InFlightWatcher, PendingRequest, when_all_done
 from prefillonly.serving.model.metrics import EngineMetrics
 from prefillonly.serving.model.protocol import error_reply, parse_request, results_to_outputs
-from prefillonly.wire import INPUTS, LOGLIKELIHOOD, PROMPT_LOGPROBS
+from prefillonly.contract.wire import INPUTS, LOGLIKELIHOOD, PROMPT_LOGPROBS
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 WARMUP_TOKENS = 16

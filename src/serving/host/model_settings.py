@@ -11,7 +11,7 @@ import re
 import shutil
 from pathlib import Path
 
-from ...errors import ConfigError
+from ...contract.errors import ConfigError
 
 _PARAMETER = re.compile(r'parameters\s*\{\s*key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"\s*\}\s*\}')
 

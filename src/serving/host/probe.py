@@ -14,7 +14,7 @@ import json
 import urllib.error
 import urllib.request
 
-from ...wire import ENGINE_RETRY_LATER_CODES
+from ...contract.wire import ENGINE_RETRY_LATER_CODES
 from .process import http_status
 
 PROBE_PRIORITY = 1 << 62  # ahead of every client request: only the running one is waited for

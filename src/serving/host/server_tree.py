@@ -29,7 +29,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Mapping
 
-from ...paths import default_cache_dir
+from ...contract.paths import default_cache_dir
 
 TRITON_SERVER_VERSION = "2.51.0"  # the server inside nvidia-pytriton==0.7.0
 

@@ -30,7 +30,7 @@ Outputs, one element per result (prompts, or items of a multi-item call), in ord
   prompt_tokens, cached_tokens   INT64 [r]
 (loglikelihood and prompt_logprobs: result_json, a ContinuationScore or PromptLogprobs each, and
 prompt_tokens and cached_tokens only.)
-The names, datatypes and dims, the error codes and their statuses are data in prefillonly.wire.
+The names, datatypes and dims, the error codes and their statuses are data in prefillonly.contract.wire.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...errors import InvalidRequestError, PrefillOnlyError
-from ...limits import RequestLimits
-from ...wire import CANCELLED, INPUTS, INTERNAL, LOGLIKELIHOOD, PROMPT_LOGPROBS, RESULT_JSON, SCORE, TASKS, ScoreResult, triton_status
+from ...contract.errors import InvalidRequestError, PrefillOnlyError
+from ...contract.limits import RequestLimits
+from ...contract.wire import CANCELLED, INPUTS, INTERNAL, LOGLIKELIHOOD, PROMPT_LOGPROBS, RESULT_JSON, SCORE, TASKS, ScoreResult, triton_status
 
 
 def error_reply(error: BaseException) -> tuple[str, str]:

@@ -32,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from ...scheduler.jct import JctCoefficients, predict_jct
+from ...contract.jct import JctCoefficients, predict_jct
 
 DEFAULT_STICK_MARGIN_S = 0.05
 DEFAULT_WORK_WEIGHT = 10.0  # swept at 64 simulated engines: 1 -> hit 51%, 3 -> 62%, 5-30 -> 72-74% (the ideal), P99 best at 10 (RESULTS.md)

@@ -30,9 +30,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ...cache.block_hash import block_hashes, namespace_root
-from ...scheduler.jct import JctCoefficients
-from ...wire import USER_HEADER
+from ...contract.block_keys import block_hashes, namespace_root
+from ...contract.jct import JctCoefficients
+from ...contract.wire import USER_HEADER
 from ..host.prometheus import by_series, scrape
 from .choice import Picker
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ConfigError
-from .kernels.linear import pack, weight_nbytes
-from .model_spec import ModelSpec
+from ..contract.errors import ConfigError
+from ..kernels.linear import pack, weight_nbytes
+from .spec import ModelSpec
 
 
 # Norm weights are kept in float32 whatever the model dtype: they are tiny, and the norm

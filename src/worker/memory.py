@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from .kernels.attention import INPLACE_QUERY_BLOCK, banded_scratch_bytes, cpu_flash_scratch_bytes, inplace_attention_supported
-from .kernels.backend import KernelBackend
-from .kernels.linear import allocates_output, call_scratch_bytes
-from .kernels.score_head import call_bytes as score_head_call_bytes
-from .model_spec import ModelSpec
+from ..kernels.attention import INPLACE_QUERY_BLOCK, banded_scratch_bytes, cpu_flash_scratch_bytes, inplace_attention_supported
+from ..kernels.backend import KernelBackend
+from ..kernels.linear import allocates_output, call_scratch_bytes
+from ..kernels.score_head import call_bytes as score_head_call_bytes
+from ..model.spec import ModelSpec
 from .workspace import LOGPROB_ROWS, plan_workspace
 
 _PAGE = 4096  # an allocation may touch one page more than its size (its header, the rounding)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .model_spec import ModelSpec
+from .spec import ModelSpec
 
 
 class RotaryTable:

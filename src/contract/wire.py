@@ -209,7 +209,7 @@ class TokenScore:
 
 @dataclass(frozen=True)
 class ScoreResult(_JsonResult):
-    """What a scoring request returns (names fixed by docs/design.md §5); prefillonly.result is it."""
+    """What a scoring request returns (names fixed by docs/design.md §5); the package exports it."""
     tokens: list[TokenScore]  # one per allowed token, in the order asked
     chosen: TokenScore  # the allowed token with the highest probability
     top_k: list[TokenScore] = field(default_factory=list)  # full-vocabulary top tokens, if asked

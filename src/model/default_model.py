@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 
-from .errors import ConfigError
+from ..contract.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

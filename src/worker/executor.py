@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .prefix_io import CaptureSink, KVSink, PrefixKV, PrefixSource, Sinks
-from .kernels.backend import KernelBackend
-from .kernels.linear import linear
-from .kernels.score_head import packs_weight
-from .model_spec import ModelSpec
-from .rope import RotaryTable
-from .weights import ModelWeights
+from ..cache.prefix_io import CaptureSink, KVSink, PrefixKV, PrefixSource, Sinks
+from ..kernels.backend import KernelBackend
+from ..kernels.linear import linear
+from ..kernels.score_head import packs_weight
+from ..model.spec import ModelSpec
+from ..model.rope import RotaryTable
+from ..model.weights import ModelWeights
 from .workspace import LOGPROB_ROWS, allocate, plan_workspace
 
 
@@ -261,7 +261,7 @@ class HybridPrefillExecutor:
                 pool = pool or pg[0]
                 pg = pg if pg[0] is pool else None
             paged.append(pg)
-        from .kernels import gpu_attention  # imported where chosen: it imports triton
+        from ..kernels import gpu_attention  # imported where chosen: it imports triton
 
         attention = gpu_attention.BatchAttention(
             batch.row_starts, [s.new_tokens for s in batch.sequences], batch.kv_starts,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .result import ContinuationScore, PromptLogprobs, ScoreResult, TokenScore
+from ..contract.wire import ContinuationScore, PromptLogprobs, ScoreResult, TokenScore
 
 
 def score_logits(logits: torch.Tensor, allowed_ids: list[int], top_k: int, token_text) -> tuple[list[TokenScore], TokenScore, list[TokenScore]]:

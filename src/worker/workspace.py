@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .model_spec import ModelSpec
+from ..model.spec import ModelSpec
 
 
 # rows of a logprob span per LM-head call (executor._span_logprobs): their [rows, vocab] float32

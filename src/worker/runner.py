@@ -16,14 +16,14 @@ import time
 
 import torch
 
-from .cache.prefix_cache import CacheTicket, PrefixCache
+from ..cache.prefix_cache import CacheTicket, PrefixCache
 from .executor import ForwardBatch, HybridPrefillExecutor, Sequence
 from .memory import PeakMemoryMeter
-from .prefix_io import PrefixKV
-from .request import Request
-from .result import ScoreResult
-from .scheduler import ItemsPlan, StepOutcome, StepPlan, TokenSplit
-from .scoring import build_result, context_choice, continuation_score, prompt_logprobs
+from ..cache.prefix_io import PrefixKV
+from ..request import Request
+from ..contract.wire import ScoreResult
+from ..scheduler import ItemsPlan, StepOutcome, StepPlan, TokenSplit
+from .outputs import build_result, context_choice, continuation_score, prompt_logprobs
 
 
 class PrefillRunner:

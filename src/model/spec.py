@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from .errors import ConfigError, UnsupportedModelError
+from ..contract.errors import ConfigError, UnsupportedModelError
 
 # architecture name -> family. All share the Llama layout (Phi-3 stores q/k/v and gate/up already
 # fused, as the executor wants them); the flags below (biases, q/k norm, Gemma's norms, scales,

@@ -1,6 +1,6 @@
 """Measures one forward's peak memory growth in a fresh process (docs/design.md §7).
 
-    python -m prefillonly.memory_probe --tokens 8192 --chunk-size 512 [--model DIR | --random-config JSON]
+    python -m prefillonly.worker.memory_probe --tokens 8192 --chunk-size 512 [--model DIR | --random-config JSON]
         [--dtype bfloat16] [--system prefillonly|transformers] [--members N] [--logprob-rows N [--logprob-top-k K]]
 
 Prints one JSON line: measured growth (VmHWM after - VmRSS before, high-water mark reset
@@ -20,12 +20,12 @@ import time
 
 import torch
 
-from .config import DTYPES
-from .kernels.attention import BACKENDS, resolve_backend
-from .kernels.backend import KernelBackend
-from .kernels.linear import LINEAR_BACKENDS, resolve_linear_backend
+from ..config import DTYPES
+from ..kernels.attention import BACKENDS, resolve_backend
+from ..kernels.backend import KernelBackend
+from ..kernels.linear import LINEAR_BACKENDS, resolve_linear_backend
 from .memory import PeakMemoryMeter, batch_peak_components
-from .model_spec import ModelSpec
+from ..model.spec import ModelSpec
 
 
 def _spec(args) -> ModelSpec:
@@ -150,7 +150,7 @@ def split_members(ids: torch.Tensor, members: int) -> list[torch.Tensor]:
 
 def _prefillonly_runner(args, spec, dtype, device):
     from .executor import ForwardBatch, HybridPrefillExecutor, Sequence
-    from .weights import ModelWeights
+    from ..model.weights import ModelWeights
 
     if args.random_config:
         weights = ModelWeights.random(spec, dtype, device)
@@ -190,7 +190,7 @@ def _transformers_runner(args, spec, dtype):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m prefillonly.memory_probe")
+    p = argparse.ArgumentParser(prog="python -m prefillonly.worker.memory_probe")
     p.add_argument("--tokens", type=int, required=True)
     p.add_argument("--chunk-size", type=int, default=2048, help="0 = no chunking")
     p.add_argument("--model", help="checkpoint folder")
@@ -209,8 +209,8 @@ def main(argv=None) -> int:
     args.linear = None  # resolved with the weights (prefillonly)
     args.backend = resolve_backend(args.attention_backend, torch.device("cpu")) if args.system == "prefillonly" else None
     if not (args.model or args.random_config):
-        from .paths import default_cache_dir
-        from .default_model import ensure_default_model
+        from ..contract.paths import default_cache_dir
+        from ..model.default_model import ensure_default_model
 
         args.model = ensure_default_model(default_cache_dir())
     print(json.dumps(measure(args)))

@@ -8,7 +8,7 @@
 
 Every message starts with the engine's code ("invalid_request: ...", "overloaded: ...") as on
 Triton's own routes. Bad input is 400, an unknown model or route 404, not-now (overloaded,
-unavailable, restarting) 503, anything else 500 (prefillonly.wire.http_status of the engine's
+unavailable, restarting) 503, anything else 500 (prefillonly.contract.wire.http_status of the engine's
 code). TEI's statuses are its own: 422 Validation for bad input, 400 Empty for no texts, 429
 Overloaded, 424 Backend for an engine error, 503 Unhealthy when no engine answers.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from ..wire import http_status
+from ..contract.wire import http_status
 from .upstream import UpstreamError
 
 
