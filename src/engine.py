@@ -4,14 +4,15 @@
         r = engine.score("Is the sky blue? Answer:", [" Yes", " No"])
         r.chosen.text, r.chosen.prob
 
-Request path: submit() validates + tokenizes in the caller's thread (prompts.py) into one
-Request record (request.py) and the scheduler queues it (refusing at once a prompt that could
-never fit the activation budget) -> the worker thread runs one step at a time, in three calls:
+Request path: submit_task() has the request's kind (tasks/) validate + tokenize in the caller's
+thread (prompts.py) into one Request record (request.py) and the scheduler queues it (refusing
+at once a prompt that could never fit the activation budget) -> the worker thread runs one step at a time, in three calls:
 
     plan = scheduler.schedule()               # scheduler/: FCFS | SJF | CSJF order against the prefix
                                               # cache's current state; members pinned, memory decided
     outcome = runner.execute(plan)            # runner.py: the cache's data moves, one forward over every
-                                              # member's uncached tokens (executor.py), ScoreResults
+                                              # member's uncached tokens (executor.py), each answer
+                                              # built by its request's kind
     answers = scheduler.finish(plan, outcome) # tickets committed or aborted, counters
 
 -> each answer goes to its request's Future on the completion thread (completions.py) while the
@@ -34,15 +35,15 @@ from .cache.prefix_cache import PrefixCache
 from .completions import CompletionThread
 from .config import EngineConfig
 from .model.default_model import ensure_default_model
-from .contract.errors import ConfigError, EngineClosedError, InvalidRequestError
+from .contract.errors import ConfigError, EngineClosedError
 from .worker.executor import HybridPrefillExecutor
 from .kernels.backend import KernelBackend
 from .contract.limits import RequestLimits, max_token_bytes
 from .worker.memory import ActivationBudget, available_memory_bytes
 from .model.spec import ModelSpec
 from .prompts import PromptEncoder
-from .request import (Request, RequestFuture, check_cache_prefix_len, check_deadline, check_length, check_namespace,
-                      check_priority, check_span_top_k, check_top_k)
+from .request import Request, check_cache_prefix_len, check_deadline, check_namespace, check_priority
+from . import tasks
 from .contract.wire import ContinuationScore, PromptLogprobs, ScoreResult
 from .worker.runner import PrefillRunner
 from .scheduler import Answer, IndexPrefixView, JctEstimator, Scheduler, StepBudget, StepOutcome, StepPlan
@@ -122,35 +123,41 @@ class Engine:
                         self.max_input_len, self.spec.context_length)
         self.limits = _request_limits(self.config, self.max_input_len, tokenizer)
         self.encoder = PromptEncoder(tokenizer, self.spec.vocab_size, self.limits)
+        self._submit_context = tasks.SubmitContext(self.encoder, self.spec, self.max_input_len)
 
     # -- public API -------------------------------------------------------------------
+    def submit_task(self, kind: str, prompt, *, cache_prefix_len: int | None = None, cache_namespace: str | None = None,
+                    user: str | None = None, priority: int = 0, deadline_s: float | None = None, **arguments) -> Future:
+        """Queue one request of the registered kind `kind` (tasks/: "score", "items",
+        "loglikelihood", "prompt_logprobs", or one registered since); the Future gets its answer.
+
+        The kind checks and tokenizes `prompt` and its own `arguments`; the options every kind
+        shares are checked here: cache_prefix_len keeps at most this many leading tokens in the
+        prefix cache (default the whole prompt); cache_namespace: cache hits never cross
+        namespaces (tenant isolation), `user` is the namespace when none is given; priority:
+        higher runs first; deadline_s: seconds from now after which the request fails with
+        DeadlineExceededError instead of starting. Bad input raises here, in the caller's thread;
+        the Future never sees it."""
+        request = tasks.kind_named(kind).build(self._submit_context, prompt, **arguments)
+        request.keep_len = check_cache_prefix_len(cache_prefix_len, request.cache_tokens)
+        request.namespace = check_namespace(cache_namespace, user)
+        return self._enqueue(request, priority, deadline_s)
+
     def submit(self, prompt, allowed_tokens, *, top_k: int = 0, apply_chat_template: bool = False,
-               cache_prefix_len: int | None = None, cache_namespace: str | None = None, user: str | None = None,
-               priority: int = 0, deadline_s: float | None = None) -> "Future[ScoreResult]":
-        """Queue one request; the Future gets its ScoreResult (or its error).
+               **options) -> "Future[ScoreResult]":
+        """Queue one request (kind "score"); the Future gets its ScoreResult (or its error).
 
         prompt: text, UTF-8 bytes, or a sequence of token ids. allowed_tokens: strings (each
         exactly one token, e.g. " Yes") and/or token ids. top_k: also return the k most likely
-        tokens of the full vocabulary. cache_prefix_len: keep at most this many leading tokens
-        in the prefix cache (e.g. the shared user profile); default the whole prompt.
-        cache_namespace: cache hits never cross namespaces (tenant isolation); `user` is the
-        namespace when none is given. priority: higher runs first. deadline_s: seconds from now
-        after which the request fails with DeadlineExceededError instead of starting.
-        Bad input raises here, in the caller's thread; the Future never sees it.
+        tokens of the full vocabulary. options: cache_prefix_len (e.g. the shared user profile),
+        cache_namespace, user, priority, deadline_s (submit_task).
         """
-        allowed_ids = self.encoder.resolve_allowed(allowed_tokens)
-        top_k = check_top_k(top_k, self.spec.vocab_size)
-        ids = self.encoder.encode_prompt(prompt, apply_chat_template=apply_chat_template)
-        keep = check_cache_prefix_len(cache_prefix_len, len(ids))
-        namespace = check_namespace(cache_namespace, user)
-        check_length(len(ids), self.max_input_len)
-        return self._enqueue(Request(ids, allowed_ids, top_k, keep, namespace), priority, deadline_s)
+        return self.submit_task("score", prompt, allowed=allowed_tokens, top_k=top_k,
+                                apply_chat_template=apply_chat_template, **options)
 
     def submit_items(self, prompt, items, allowed_tokens, *, item_template: str | None = None, top_k: int = 0,
-                     apply_chat_template: bool = False, cache_prefix_len: int | None = None,
-                     cache_namespace: str | None = None, user: str | None = None, priority: int = 0,
-                     deadline_s: float | None = None) -> "Future[list[ScoreResult]]":
-        """Queue N items that share one prompt (e.g. a user profile and candidate posts).
+                     apply_chat_template: bool = False, **options) -> "Future[list[ScoreResult]]":
+        """Queue N items that share one prompt (kind "items"; e.g. a user profile and candidate posts).
 
         The shared prompt is computed once per request (its K/V held for the request, whatever
         the cache budget) and each item is scored as a suffix over it: result i is the
@@ -159,48 +166,26 @@ class Engine:
         or token ids. The shared prompt goes through the prefix cache like a plain request
         (cache_prefix_len defaults to the whole shared prompt).
         """
-        allowed_ids = self.encoder.resolve_allowed(allowed_tokens)
-        top_k = check_top_k(top_k, self.spec.vocab_size)
-        shared = self.encoder.encode_prompt(prompt, apply_chat_template=apply_chat_template)
-        item_ids = self.encoder.encode_items(items, item_template)
-        keep = check_cache_prefix_len(cache_prefix_len, len(shared))
-        namespace = check_namespace(cache_namespace, user)
-        self._check_items(shared, item_ids, "items")
-        return self._enqueue(Request(shared, allowed_ids, top_k, keep, namespace, item_ids=item_ids), priority, deadline_s)
+        return self.submit_task("items", prompt, items=items, allowed=allowed_tokens, item_template=item_template,
+                                top_k=top_k, apply_chat_template=apply_chat_template, **options)
 
-    def submit_loglikelihood(self, context, continuations, *, cache_prefix_len: int | None = None,
-                             cache_namespace: str | None = None, user: str | None = None, priority: int = 0,
-                             deadline_s: float | None = None) -> "Future[list[ContinuationScore]]":
-        """Queue the log-likelihood of each continuation after `context` (a multiple-choice question's
-        choices; lm-evaluation-harness's loglikelihood): one ContinuationScore per continuation, in
-        order, with the sum of its tokens' log-probabilities and whether each token was the most
-        likely one. The context is computed once (through the prefix cache like a prompt), the
-        continuations batched over it. Text is tokenized by lm-evaluation-harness's rule
-        (PromptEncoder.encode_continuations); token ids are taken as they are."""
-        shared, item_ids = self.encoder.encode_continuations(context, continuations)
-        keep = check_cache_prefix_len(cache_prefix_len, len(shared))
-        namespace = check_namespace(cache_namespace, user)
-        self._check_items(shared, item_ids, "continuations")
-        return self._enqueue(Request(shared, [], 0, keep, namespace, item_ids=item_ids, item_logprobs=True), priority, deadline_s)
+    def submit_loglikelihood(self, context, continuations, **options) -> "Future[list[ContinuationScore]]":
+        """Queue the log-likelihood of each continuation after `context` (kind "loglikelihood"; a
+        multiple-choice question's choices, lm-evaluation-harness's loglikelihood): one
+        ContinuationScore per continuation, in order, with the sum of its tokens' log-probabilities
+        and whether each token was the most likely one. The context is computed once (through the
+        prefix cache like a prompt), the continuations batched over it. Text is tokenized by
+        lm-evaluation-harness's rule (PromptEncoder.encode_continuations); token ids are taken as
+        they are."""
+        return self.submit_task("loglikelihood", context, items=continuations, **options)
 
-    def submit_prompt_logprobs(self, prompt, *, start: int = 1, top_k: int = 0, cache_prefix_len: int | None = None,
-                               cache_namespace: str | None = None, user: str | None = None, priority: int = 0,
-                               deadline_s: float | None = None) -> "Future[PromptLogprobs]":
+    def submit_prompt_logprobs(self, prompt, *, start: int = 1, top_k: int = 0, **options) -> "Future[PromptLogprobs]":
         """Queue the log-probability of each of the prompt's own tokens from position `start` on
-        (each given every token before it; 1 <= start < prompt length) and the `top_k` (<= 20) most
-        likely tokens at each: a PromptLogprobs. The prompt goes through the prefix cache like any
-        other: cached positions' logprobs come from the final hidden states the cache keeps with
-        their K/V (the LM head runs on them; nothing is recomputed)."""
-        ids = self.encoder.encode_prompt(prompt)
-        check_length(len(ids), self.max_input_len)
-        if len(ids) < 2:
-            raise InvalidRequestError("prompt has 1 token: per-position logprobs need at least 2")
-        if isinstance(start, bool) or not isinstance(start, int) or not 1 <= start < len(ids):
-            raise InvalidRequestError(f"start must be an integer in [1, {len(ids) - 1}] (the prompt has {len(ids)} tokens), got {start!r}")
-        keep = check_cache_prefix_len(cache_prefix_len, len(ids))
-        request = Request(ids, [], 0, keep, check_namespace(cache_namespace, user), logprob_rows=len(ids) - start,
-                          logprob_top_k=check_span_top_k(top_k))
-        return self._enqueue(request, priority, deadline_s)
+        (kind "prompt_logprobs"; each given every token before it; 1 <= start < prompt length) and
+        the `top_k` (<= 20) most likely tokens at each: a PromptLogprobs. The prompt goes through
+        the prefix cache like any other: cached positions' logprobs come from the final hidden
+        states the cache keeps with their K/V (the LM head runs on them; nothing is recomputed)."""
+        return self.submit_task("prompt_logprobs", prompt, start=start, top_k=top_k, **options)
 
     def loglikelihood(self, context, continuations, **kwargs) -> "list[ContinuationScore]":
         """submit_loglikelihood(...).result()."""
@@ -209,14 +194,6 @@ class Engine:
     def prompt_logprobs(self, prompt, **kwargs) -> "PromptLogprobs":
         """submit_prompt_logprobs(...).result()."""
         return self.submit_prompt_logprobs(prompt, **kwargs).result()
-
-    def _check_items(self, shared: list[int], item_ids: list[list[int]], what: str) -> None:
-        check_length(len(shared) + max(len(x) for x in item_ids), self.max_input_len)
-        if len({self.spec.rope_long(len(shared) + len(x)) for x in item_ids}) > 1:
-            raise InvalidRequestError(
-                f"the {what} put prompt + item on both sides of {self.spec.rope_switch_length} tokens, where this model's "
-                f"LongRoPE switches to its long factors (transformers would rotate them differently): send the {what} "
-                f"shorter and longer than that as two requests")
 
     def score(self, prompt, allowed_tokens, **kwargs) -> ScoreResult:
         """submit(...).result(): the probabilities of the allowed tokens after `prompt`."""

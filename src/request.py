@@ -1,10 +1,11 @@
 """The engine's request record, from submit to answer, and the checks that build it.
 
-Engine.submit* validates and tokenizes in the caller's thread and builds one Request: the prompt
-as token ids, what to score, its cache keys, its priority and deadline, and the Future its answer
-goes to. The scheduler sees it as a Schedulable (scheduler/plan.py: token counts, block keys, and
-the arrival fields it writes); the runner reads its token ids; scheduler.finish answers it. It is
-plain data (no closures), so everything below the engine can be tested without a model. The
+Engine.submit_task has the request's kind (tasks/) validate and tokenize in the caller's thread and
+build one Request: the prompt as token ids, what to score, the step shape, its cache keys, its
+priority and deadline, and the Future its answer goes to. The scheduler sees it as a Schedulable
+(scheduler/plan.py: token counts, block keys, the step shape, and the arrival fields it writes);
+the runner reads its token ids and asks its kind for the answer; scheduler.finish answers it. It
+is plain data (no closures), so everything below the engine can be tested without a model. The
 checks that turn a caller's arguments into a Request live here too: each raises
 InvalidRequestError naming the bad argument.
 """
@@ -15,6 +16,7 @@ import numbers
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from .contract.errors import InvalidRequestError, PromptTooLongError
 
@@ -31,17 +33,25 @@ class RequestFuture(Future):
 
 @dataclass(eq=False)
 class Request:
+    # the request's kind (tasks/: score, items, loglikelihood, prompt_logprobs, ...): it built this
+    # record, declared the step shape below, and turns the forward's rows into the answer
+    kind: Any
     token_ids: list[int]  # the prompt (of a multi-item request: the shared prompt)
     allowed_ids: list[int]  # output tokens to score, in the order asked
     top_k: int = 0  # also return the k most likely tokens of the whole vocabulary
-    keep_len: int = 0  # leading tokens the prefix cache may keep (the cache boundary)
-    namespace: str | None = None  # cache hits never cross namespaces
-    item_ids: list[list[int]] | None = None  # multi-item: each item is scored as a suffix of token_ids
+    # the step shape, declared by the kind (the scheduler and the runner read these, never the kind):
+    item_ids: list[list[int]] | None = None  # multi-item: each item is computed as a suffix of token_ids
     # a logprob span: the prompt's own tokens' log-probabilities at its last `logprob_rows` positions
     # (each given the tokens before it), with the top `logprob_top_k` tokens there
     logprob_rows: int = 0
     logprob_top_k: int = 0
-    item_logprobs: bool = False  # multi-item log-likelihood: each item's tokens' logprobs (ContinuationScore)
+    item_logprobs: bool = False  # each item's own tokens' logprobs (a span of its length - 1 rows)
+    # never batched with other requests: a multi-item request is a step of its own, its shared prompt
+    # first, then its items batched over the shared K/V (a logprob span shares a step: the step's
+    # memory check counts each member's span)
+    runs_alone: bool = False
+    keep_len: int = 0  # leading tokens the prefix cache may keep (the cache boundary)
+    namespace: str | None = None  # cache hits never cross namespaces
     priority: int = 0  # higher runs first
     deadline: float | None = None  # scheduler clock time after which it must not start
     block_hashes: list[bytes] = field(default_factory=list)  # the prompt's prefix-cache keys (set at enqueue)
@@ -72,13 +82,6 @@ class Request:
         or the shared prompt with its longest item (every item of a request computes in the regime
         of that length; the engine refuses a request whose items fall on both sides)."""
         return len(self.token_ids) + (max(map(len, self.item_ids)) if self.item_ids else 0)
-
-    @property
-    def runs_alone(self) -> bool:
-        """A multi-item request is a step of its own: its shared prompt first, then its items
-        batched over the shared K/V. (A logprob span shares a step: the step's memory check counts
-        each member's span.)"""
-        return self.item_ids is not None
 
     def start(self) -> bool:
         """The worker picked it: its Future runs (False: it was cancelled first)."""

@@ -48,11 +48,11 @@ INPUT_TENSORS = (
     Tensor("top_k", "INT64", (1,)), Tensor("priority", "INT64", (1,)), Tensor("apply_chat_template", "BOOL", (1,)),
     Tensor("user", "BYTES", (1,)), Tensor("task", "BYTES", (1,)), Tensor("logprobs_start", "INT64", (1,)),
 )
-# What a request asks (the `task` input): score the allowed tokens after each prompt (the default);
-# the log-likelihood of each continuation (the items) after one context (the prompt); or the
-# prompt's own tokens' log-probabilities from `logprobs_start` on (with the `top_k` there).
+# What a request asks (the `task` input) of the built-in kinds: score the allowed tokens after each
+# prompt (the default); the log-likelihood of each continuation (the items) after one context (the
+# prompt); or the prompt's own tokens' log-probabilities from `logprobs_start` on (with the `top_k`
+# there). The engine's registry of kinds (prefillonly.tasks) answers these and any registered since.
 SCORE, LOGLIKELIHOOD, PROMPT_LOGPROBS = "score", "loglikelihood", "prompt_logprobs"
-TASKS = (SCORE, LOGLIKELIHOOD, PROMPT_LOGPROBS)
 # Outputs, one element per result (prompts, or items of a multi-item call) in order; the allowed
 # tokens' probabilities row-major (result i's k allowed tokens in the order asked). A loglikelihood
 # or prompt_logprobs answer has result_json (a ContinuationScore or PromptLogprobs each),

@@ -1,13 +1,14 @@
 """PrefillRunner: one device's compute. It turns a step the scheduler planned into results.
 
-    outcome = runner.execute(plan)   # the cache's data moves, the forward(s), ScoreResults
+    outcome = runner.execute(plan)   # the cache's data moves, the forward(s), the answers
 
 It owns the executor, the prefix cache's tensors and the memory meter; it decides nothing: which
 requests run, on which cached prefix, with attention in place or not and (a multi-item request)
 in which item groups is in the plan (scheduler/plan.py), and the scheduler's finish() commits or
-aborts the tickets and counts the outcome. A step of several requests is one ForwardBatch (their
-uncached tokens packed row after row); a multi-item request is a step of its own: its shared
-prompt (K/V captured), then its items batched over that K/V.
+aborts the tickets and counts the outcome; each request's kind (tasks/) builds its answer from
+its rows. A step of several requests is one ForwardBatch (their uncached tokens packed row after
+row); a multi-item request is a step of its own: its shared prompt (K/V captured), then its
+items batched over that K/V.
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ from .executor import ForwardBatch, HybridPrefillExecutor, Sequence
 from .memory import PeakMemoryMeter
 from ..cache.prefix_io import PrefixKV
 from ..request import Request
-from ..contract.wire import ScoreResult
 from ..scheduler import ItemsPlan, StepOutcome, StepPlan, TokenSplit
-from .outputs import build_result, context_choice, continuation_score, prompt_logprobs
+from ..tasks.base import RowOutput
 
 
 class PrefillRunner:
@@ -58,8 +58,7 @@ class PrefillRunner:
         out = self.executor.forward_batch(batch, self.chunk_size, inplace)
         peak = self.meter.peak_growth()
         forward_s = time.perf_counter() - t0
-        results = [prompt_logprobs(r.token_ids, out.spans[i], out.logits[i], self.token_text, split.cached) if r.logprob_rows else
-                   build_result(out.logits[i], r.allowed_ids, r.top_k, self.token_text, len(r.token_ids), split.cached, peak)
+        results = [r.kind.result(r, RowOutput(out.logits[i], out.spans[i], split.cached, peak), self.token_text)
                    for i, (r, split) in enumerate(zip(requests, shape))]
         return StepOutcome(results, forward_s=forward_s)
 
@@ -73,9 +72,9 @@ class PrefillRunner:
             ForwardBatch([_uncached_sequence(shared, ticket, capture=(0, len(shared)), rope_length=regime)]), self.chunk_size,
             items_plan.shared_inplace)
         shared_kv: PrefixKV = shared_out.captured[0]
-        spans = request.item_logprobs  # log-likelihood: each item's own tokens after the first
-        context = context_choice(shared_out.logits[0]) if spans else None
-        results: list[ScoreResult] = []
+        spans = request.item_logprobs  # each item's own tokens after the first (log-likelihood)
+        context = request.kind.items_context(shared_out.logits[0])
+        results = []
         for group in items_plan.groups:
             self.meter.start()
             out = self.executor.forward_batch(
@@ -83,9 +82,8 @@ class PrefillRunner:
                                        logprob_rows=len(items[j]) - 1 if spans else 0) for j in group]),
                 self.chunk_size, items_plan.items_inplace)
             peak = self.meter.peak_growth()
-            results += [continuation_score(context, items[j], out.spans[g], len(shared), p) if spans else
-                        build_result(out.logits[g], request.allowed_ids, request.top_k, self.token_text,
-                                     len(shared) + len(items[j]), p, peak) for g, j in enumerate(group)]
+            results += [request.kind.item_result(request, j, context, RowOutput(out.logits[g], out.spans[g], p, peak),
+                                                 self.token_text) for g, j in enumerate(group)]
         return StepOutcome([results], item_tokens=sum(map(len, items)))
 
 

@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from prefillonly import InvalidRequestError, PromptTooLongError
 from prefillonly.contract.limits import RequestLimits
 from prefillonly.prompts import PromptEncoder
+from prefillonly.tasks import SubmitContext, kind_named
 from prefillonly.request import (Request, check_cache_prefix_len, check_deadline, check_item_template, check_length,
                                  check_namespace, check_priority, check_top_k)
 
 
+LIMITS = RequestLimits(max_prompt_bytes=100, max_prompts_per_request=4, max_items=2, max_allowed_tokens=4, max_token_bytes=10)
+# a model-free context: token ids only, a 50-token vocabulary, one RoPE regime
+CONTEXT = SubmitContext(PromptEncoder(None, vocab_size=50, limits=LIMITS),
+                        SimpleNamespace(vocab_size=50, rope_long=lambda n: False, rope_switch_length=0), max_input_len=64)
+
+
 def test_request_counts_items_and_runs_multi_item_alone():
-    plain = Request([1, 2, 3], [5])
-    items = Request([1, 2, 3], [5], item_ids=[[7], [8, 9]])
+    """The kind declares the step shape: a multi-item request runs alone, a plain one shares steps."""
+    plain = kind_named("score").build(CONTEXT, [1, 2, 3], allowed=[5])
+    items = kind_named("items").build(CONTEXT, [1, 2, 3], items=[[7], [8, 9]], allowed=[5])
     assert plain.prompt_tokens == 3 and plain.cache_tokens == 3 and plain.item_tokens is None and not plain.runs_alone
     assert items.prompt_tokens == 6 and items.cache_tokens == 3 and items.item_tokens == [1, 2] and items.runs_alone
 
@@ -21,9 +31,9 @@ def test_request_counts_items_and_runs_multi_item_alone():
 def test_request_starts_once_unless_cancelled():
     """start() is the scheduler's pick: the Future runs (with its start time), or the request was
     cancelled while it waited and is dropped."""
-    r = Request([1], [5])
+    r = Request(kind_named("score"), [1], [5])
     assert r.future.started_at is None and r.start() and r.future.running() and r.future.started_at is not None
-    cancelled = Request([1], [5])
+    cancelled = Request(kind_named("score"), [1], [5])
     assert cancelled.future.cancel() and not cancelled.start()
 
 

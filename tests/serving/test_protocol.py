@@ -9,7 +9,7 @@ import pytest
 
 from prefillonly import InvalidRequestError
 from prefillonly.contract.wire import ScoreResult, TokenScore
-from prefillonly.serving.model.protocol import parse_request, results_to_outputs
+from prefillonly.serving.model.protocol import ScoreCall, parse_request, results_to_outputs
 
 
 def b(*texts):
@@ -82,7 +82,7 @@ def test_outputs_one_element_per_result_row_major_allowed():
         toks = [TokenScore(9, " Yes", -1.0, p_yes), TokenScore(8, " No", -2.0, 1 - p_yes)]
         return ScoreResult(tokens=toks, chosen=max(toks, key=lambda t: t.prob), prompt_tokens=5, cached_tokens=2)
 
-    out = results_to_outputs([result(0.7), result(0.2)])
+    out = results_to_outputs(ScoreCall(["q"], [" Yes", " No"]), [result(0.7), result(0.2)])
     assert list(out["chosen_token"]) == [b" Yes", b" No"] and list(out["chosen_token_id"]) == [9, 8]
     assert out["allowed_probs"].tolist() == pytest.approx([0.7, 0.3, 0.2, 0.8])
     assert json.loads(out["result_json"][1])["chosen"]["text"] == " No"
@@ -92,11 +92,12 @@ def test_outputs_one_element_per_result_row_major_allowed():
 def test_the_loglikelihood_and_prompt_logprobs_tasks():
     call = parse_request({"text_input": b("Question: ok?\nAnswer:"), "items": b(" yes", " no"), "task": b("loglikelihood"),
                           "priority": np.array([1])})
-    assert call.task == "loglikelihood" and call.items == [" yes", " no"] and call.allowed == [] and call.options == {"priority": 1}
+    assert call.kind == "loglikelihood" and call.items == [" yes", " no"] and call.allowed == [] and call.options == {"priority": 1}
     call = parse_request({"input_ids": np.array([1, 2, 3]), "task": b("prompt_logprobs"), "logprobs_start": np.array([2]),
                           "top_k": np.array([5])})
-    assert call.task == "prompt_logprobs" and call.options == {"start": 2, "top_k": 5}
-    assert parse_request({"text_input": b("a"), "allowed_tokens": b(" Yes")}).task == "score"
+    assert call.kind == "prompt_logprobs" and call.options == {"start": 2, "top_k": 5}
+    assert parse_request({"text_input": b("a"), "allowed_tokens": b(" Yes")}).kind == "score"
+    assert parse_request({"text_input": b("a"), "allowed_tokens": b(" Yes"), "items": b("x", "y")}).kind == "items"
 
 
 @pytest.mark.parametrize("tensors,match", [
@@ -106,6 +107,8 @@ def test_the_loglikelihood_and_prompt_logprobs_tasks():
     ({"text_input": b("a"), "items": b("x"), "task": b("loglikelihood"), "top_k": np.array([2])}, "top_k does not apply to task 'loglikelihood'"),
     ({"text_input": b("a"), "items": b("x"), "task": b("prompt_logprobs")}, "takes prompts, not items"),
     ({"text_input": b("a"), "allowed_tokens": b(" Yes"), "logprobs_start": np.array([2])}, "logprobs_start does not apply to task 'score'"),
+    ({"text_input": b("a"), "items": b("x"), "task": b("loglikelihood"), "item_template": b("Q {item}")},
+     "item_template does not apply to task 'loglikelihood'"),
 ])
 def test_bad_task_requests_name_the_problem(tensors, match):
     with pytest.raises(InvalidRequestError, match=match):
@@ -118,9 +121,9 @@ def test_task_outputs_are_result_json_and_token_counts():
 
     scores = [ContinuationScore(-1.5, True, 2, [-1.0, -0.5], context_tokens=7, cached_tokens=4),
               ContinuationScore(-3.0, False, 1, [-3.0], context_tokens=7, cached_tokens=4)]
-    out = results_to_outputs(scores)
+    out = results_to_outputs(ScoreCall(["q"], [], kind="loglikelihood"), scores)
     assert set(out) == {"result_json", "prompt_tokens", "cached_tokens"}
     assert out["prompt_tokens"].tolist() == [9, 8] and out["cached_tokens"].tolist() == [4, 4]
     assert decode_answers(list(out["result_json"])) == scores
     span = PromptLogprobs([5, 6, 7], 1, [-0.25, -2.0], [True, False], [[TokenScore(6, "x", -0.25, 0.78)], [TokenScore(1, "y", -0.1, 0.9)]])
-    assert decode_answers(list(results_to_outputs([span])["result_json"])) == [span]
+    assert decode_answers(list(results_to_outputs(ScoreCall(["q"], [], kind="prompt_logprobs"), [span])["result_json"])) == [span]

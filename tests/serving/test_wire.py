@@ -41,12 +41,12 @@ def result(p_yes: float = 0.75, **extra) -> ScoreResult:
 
 def test_results_come_back_as_the_same_frozen_result():
     from prefillonly.contract.wire import ScoreResult as EngineResult
-    from prefillonly.serving.model.protocol import results_to_outputs
+    from prefillonly.serving.model.protocol import ScoreCall, results_to_outputs
 
     assert EngineResult is ScoreResult  # the engine's result is the wire's
     sent = [result(top_k=[TokenScore(3, "x", -0.01, 0.99)], prompt_tokens=7, cached_tokens=4, peak_bytes=1 << 20),
             result(0.1)]
-    outputs = results_to_outputs(sent)
+    outputs = results_to_outputs(ScoreCall(["q"], [" Yes"]), sent)
     assert set(outputs) == set(wire.OUTPUTS)
     assert all(str(outputs[name].dtype) in ("object", "int64", "float32") for name in wire.OUTPUTS)
     assert wire.decode_results(outputs[wire.RESULT_JSON]) == sent

@@ -25,8 +25,8 @@ from prefillonly.contract.errors import InvalidRequestError
 from prefillonly.serving.model.drain import DrainWatch, drain_file_from_env
 from prefillonly.serving.model.inflight import InFlightWatcher, PendingRequest, when_all_done
 from prefillonly.serving.model.metrics import EngineMetrics
-from prefillonly.serving.model.protocol import error_reply, parse_request, results_to_outputs
-from prefillonly.contract.wire import INPUTS, LOGLIKELIHOOD, PROMPT_LOGPROBS
+from prefillonly.serving.model.protocol import error_reply, parse_request, results_to_outputs, submit_call
+from prefillonly.contract.wire import INPUTS
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 WARMUP_TOKENS = 16
@@ -75,13 +75,13 @@ class TritonPythonModel:
     def _admit(self, pending, call):
         """Intake thread: tokenize and queue one request, or answer its error."""
         try:
-            pending.futures = self._submit(call)
+            pending.futures = submit_call(self.engine, call)
         except Exception as e:  # bad input or overload: answer now, keep serving
             self.metrics.update(self.engine.stats())
             _send_error(pending, e)
             return
         self.watcher.watch(pending)  # before the callback: it may run at once and forget it
-        when_all_done(pending.futures, lambda results, error, p=pending: self._done(p, results, error))
+        when_all_done(pending.futures, lambda results, error, p=pending: self._done(p, call, results, error))
         self.metrics.update(self.engine.stats())  # the waiting gauge counts what just arrived
 
     def _check_drain(self):
@@ -94,31 +94,14 @@ class TritonPythonModel:
             self.drain.acknowledge()
             pb_utils.Logger.log_info("prefillonly: drained")
 
-    def _submit(self, call):
-        if call.task == LOGLIKELIHOOD:
-            return [self.engine.submit_loglikelihood(call.prompts[0], call.items, **call.options)]
-        if call.items is not None:
-            return [self.engine.submit_items(call.prompts[0], call.items, call.allowed, **call.options)]
-        submit = self.engine.submit_prompt_logprobs if call.task == PROMPT_LOGPROBS else \
-            (lambda prompt, **options: self.engine.submit(prompt, call.allowed, **options))
-        futures = []
-        try:
-            for prompt in call.prompts:
-                futures.append(submit(prompt, **call.options))
-        except Exception:  # all or nothing: the request is answered with the error, so run none of it
-            for f in futures:
-                f.cancel()
-            raise
-        return futures
-
-    def _done(self, pending, results, error):
+    def _done(self, pending, call, results, error):
         self.watcher.forget(pending)
         # metrics before answering: a client may scrape them the moment it has its answer
         self.metrics.update(self.engine.stats())
         if error is None:
             waits = [f.started_at - pending.received_at for f in pending.futures if f.started_at is not None]
             self.metrics.observe_latency(waits, time.monotonic() - pending.received_at)
-            _send_results(pending, results)
+            _send_results(pending, call, results)
         else:
             _send_error(pending, error)
 
@@ -156,8 +139,8 @@ def _check_parameters(request):
                                   f"(inputs: {', '.join(INPUTS)})")
 
 
-def _send_results(pending, results):
-    outputs = [pb_utils.Tensor(name, value) for name, value in results_to_outputs(results).items()]
+def _send_results(pending, call, results):
+    outputs = [pb_utils.Tensor(name, value) for name, value in results_to_outputs(call, results).items()]
     _send(pending, pb_utils.InferenceResponse(output_tensors=outputs))
 
 

@@ -42,7 +42,8 @@ import numpy as np
 
 from ...contract.errors import InvalidRequestError, PrefillOnlyError
 from ...contract.limits import RequestLimits
-from ...contract.wire import CANCELLED, INPUTS, INTERNAL, LOGLIKELIHOOD, PROMPT_LOGPROBS, RESULT_JSON, SCORE, TASKS, ScoreResult, triton_status
+from ...contract.wire import CANCELLED, INPUTS, INTERNAL, SCORE, triton_status
+from ... import tasks
 
 
 def error_reply(error: BaseException) -> tuple[str, str]:
@@ -66,88 +67,107 @@ class ScoreCall:
     prompts: list  # texts (str) or one list of token ids
     allowed: list  # strings and/or ids
     items: list | None = None
-    options: dict = field(default_factory=dict)  # keyword arguments for the engine's submit call of the task
-    task: str = SCORE
+    options: dict = field(default_factory=dict)  # keyword arguments of the engine's submit_task for the kind
+    kind: str = "score"  # the registered request kind (tasks/) that answers it
 
 
 def parse_request(tensors: dict[str, np.ndarray], limits: RequestLimits | None = None) -> ScoreCall:
     """Validate and convert one request's input tensors; InvalidRequestError names the problem.
     Cheap by design (it runs on the thread that takes Triton's requests): counts and byte
-    lengths are checked against `limits` before any text is decoded; tokenizing is the engine's."""
+    lengths are checked against `limits` before any text is decoded; tokenizing is the engine's.
+    The request's kind (tasks.kind_for: its task and whether it has items) says which inputs apply."""
     unknown = sorted(set(tensors) - set(INPUTS))
     if unknown:
         raise InvalidRequestError(f"unknown input(s) {', '.join(unknown)}; known: {', '.join(INPUTS)}")
+    prompts = _prompts(tensors, limits)
+    allowed = _allowed(tensors, limits)
+    items = _items(tensors, limits)
+    kind = tasks.kind_for(_task(tensors), items is not None)
+    if kind.takes_allowed and not allowed:
+        raise InvalidRequestError("missing allowed tokens: give allowed_tokens (strings) and/or allowed_token_ids")
+    if not kind.takes_allowed and allowed:
+        raise InvalidRequestError(f"allowed tokens apply to task {SCORE!r}; task {kind.wire_task!r} scores the prompt's own tokens")
+    if items is not None and len(prompts) != 1:
+        raise InvalidRequestError("items need exactly one shared prompt, got several text_input values")
+    if "item_template" in tensors and items is None:
+        raise InvalidRequestError("item_template given without items")
+    if "item_template" in tensors and "items" not in tensors:
+        raise InvalidRequestError("item_template applies to text items, not to item_ids")
+    options = _kind_options(tensors, kind, limits)
+    if "user" in tensors:
+        options["user"] = _text(_scalar(tensors["user"], "user"), "user")
+    return ScoreCall(prompts=prompts, allowed=allowed, items=items, options=options, kind=kind.name)
+
+
+def _prompts(tensors: dict[str, np.ndarray], limits: RequestLimits | None) -> list:
     has_text, has_ids = "text_input" in tensors, "input_ids" in tensors
     if has_text == has_ids:
         raise InvalidRequestError("give exactly one of text_input (text) or input_ids (token ids)" if has_text
                                   else "missing prompt: give text_input (text) or input_ids (token ids)")
-    if has_text:
-        texts = _flat(tensors["text_input"])
-        if limits is not None:
-            limits.check_count(len(texts), "prompts (text_input values)", "max_prompts_per_request")
-        prompts = [_text(x, "text_input", limits) for x in texts]
-        if not prompts:
-            raise InvalidRequestError("text_input is empty")
-    else:
-        prompts = [_ints(tensors["input_ids"], "input_ids")]
+    if not has_text:
+        return [_ints(tensors["input_ids"], "input_ids")]
+    texts = _flat(tensors["text_input"])
+    if limits is not None:
+        limits.check_count(len(texts), "prompts (text_input values)", "max_prompts_per_request")
+    prompts = [_text(x, "text_input", limits) for x in texts]
+    if not prompts:
+        raise InvalidRequestError("text_input is empty")
+    return prompts
+
+
+def _allowed(tensors: dict[str, np.ndarray], limits: RequestLimits | None) -> list:
     allowed_texts = _flat(tensors.get("allowed_tokens", []))
     allowed_ids = np.asarray(tensors.get("allowed_token_ids", np.zeros(0, np.int64)))
     if limits is not None:
         limits.check_count(len(allowed_texts) + allowed_ids.size, "allowed tokens", "max_allowed_tokens")
-    allowed = [_text(x, "allowed_tokens", limits) for x in allowed_texts]
-    allowed += _ints(allowed_ids, "allowed_token_ids")
-    task = _task(tensors)
-    if task == SCORE and not allowed:
-        raise InvalidRequestError("missing allowed tokens: give allowed_tokens (strings) and/or allowed_token_ids")
-    if task != SCORE and allowed:
-        raise InvalidRequestError(f"allowed tokens apply to task {SCORE!r}; task {task!r} scores the prompt's own tokens")
-    options = _task_options(tensors, task)
-    if "user" in tensors:
-        options["user"] = _text(_scalar(tensors["user"], "user"), "user")
-    items = _items(tensors, limits)
-    if items is not None:
-        if len(prompts) != 1:
-            raise InvalidRequestError("items need exactly one shared prompt, got several text_input values")
-        if "item_template" in tensors:
-            if "items" not in tensors:
-                raise InvalidRequestError("item_template applies to text items, not to item_ids")
-            options["item_template"] = _text(_scalar(tensors["item_template"], "item_template"), "item_template", limits)
-    elif "item_template" in tensors:
-        raise InvalidRequestError("item_template given without items")
-    if task == LOGLIKELIHOOD and items is None:
-        raise InvalidRequestError("task 'loglikelihood' needs the continuations as items (texts) or item_ids with item_lengths")
-    if task == PROMPT_LOGPROBS and items is not None:
-        raise InvalidRequestError("task 'prompt_logprobs' takes prompts, not items")
-    return ScoreCall(prompts=prompts, allowed=allowed, items=items, options=options, task=task)
+    return [_text(x, "allowed_tokens", limits) for x in allowed_texts] + _ints(allowed_ids, "allowed_token_ids")
 
 
 def _task(tensors: dict[str, np.ndarray]) -> str:
-    if "task" not in tensors:
-        return SCORE
-    task = _text(_scalar(tensors["task"], "task"), "task")
-    if task not in TASKS:
-        raise InvalidRequestError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
-    return task
+    return _text(_scalar(tensors["task"], "task"), "task") if "task" in tensors else SCORE
 
 
-# the options each task takes (an option of another task is refused, not ignored)
-_TASK_OPTIONS = {SCORE: ("cache_prefix_len", "top_k", "priority", "apply_chat_template"),
-                 LOGLIKELIHOOD: ("cache_prefix_len", "priority"),
-                 PROMPT_LOGPROBS: ("cache_prefix_len", "top_k", "priority", "logprobs_start")}
+# the option inputs and the engine keyword each becomes; a kind lists those it takes (an option of
+# another kind is refused, not ignored)
+OPTION_INPUTS = {"cache_prefix_len": "cache_prefix_len", "top_k": "top_k", "priority": "priority",
+                 "logprobs_start": "start", "apply_chat_template": "apply_chat_template", "item_template": "item_template"}
 
 
-def _task_options(tensors: dict[str, np.ndarray], task: str) -> dict:
+def _kind_options(tensors: dict[str, np.ndarray], kind, limits: RequestLimits | None) -> dict:
     options = {}
-    for name in ("cache_prefix_len", "top_k", "priority", "logprobs_start", "apply_chat_template"):
+    for name, keyword in OPTION_INPUTS.items():
         if name not in tensors:
             continue
-        if name not in _TASK_OPTIONS[task]:
-            raise InvalidRequestError(f"{name} does not apply to task {task!r}")
+        if name not in kind.options:
+            raise InvalidRequestError(f"{name} does not apply to task {kind.wire_task!r}")
         if name == "apply_chat_template":
-            options[name] = bool(_scalar(tensors[name], name))
+            options[keyword] = bool(_scalar(tensors[name], name))
+        elif name == "item_template":
+            options[keyword] = _text(_scalar(tensors[name], name), name, limits)
         else:
-            options["start" if name == "logprobs_start" else name] = _scalar_int(tensors[name], name)
+            options[keyword] = _scalar_int(tensors[name], name)
     return options
+
+
+def submit_call(engine, call: ScoreCall) -> list:
+    """The engine requests of one parsed call, all or nothing: one per prompt for a kind that
+    runs each prompt on its own, else one; if one is refused, those queued are cancelled and the
+    error raised (the Triton request is answered with it)."""
+    kind = tasks.kind_named(call.kind)
+    arguments = dict(call.options)
+    if kind.takes_allowed:
+        arguments["allowed"] = call.allowed
+    if kind.takes_items:
+        arguments["items"] = call.items
+    futures = []
+    try:
+        for prompt in call.prompts if kind.per_prompt else call.prompts[:1]:
+            futures.append(engine.submit_task(kind.name, prompt, **arguments))
+    except Exception:
+        for f in futures:
+            f.cancel()
+        raise
+    return futures
 
 
 def _items(tensors: dict[str, np.ndarray], limits: RequestLimits | None) -> list | None:
@@ -177,23 +197,9 @@ def _items(tensors: dict[str, np.ndarray], limits: RequestLimits | None) -> list
     return [ids[end - n:end] for n, end in zip(lengths, ends)]
 
 
-def results_to_outputs(results: list) -> dict[str, np.ndarray]:
-    """The output tensors of a request's results: ScoreResults, or (loglikelihood, prompt_logprobs)
-    ContinuationScores / PromptLogprobs, which have result_json and the token counts only."""
-    if results and not isinstance(results[0], ScoreResult):
-        return {RESULT_JSON: np.array([r.to_json().encode() for r in results], dtype=np.object_),
-                "prompt_tokens": np.array([r.prompt_tokens for r in results], dtype=np.int64),
-                "cached_tokens": np.array([r.cached_tokens for r in results], dtype=np.int64)}
-    return {
-        RESULT_JSON: np.array([r.to_json().encode() for r in results], dtype=np.object_),
-        "chosen_token": np.array([r.chosen.text.encode() for r in results], dtype=np.object_),
-        "chosen_token_id": np.array([r.chosen.id for r in results], dtype=np.int64),
-        "chosen_prob": np.array([r.chosen.prob for r in results], dtype=np.float32),
-        "allowed_probs": np.array([t.prob for r in results for t in r.tokens], dtype=np.float32),
-        "allowed_logprobs": np.array([t.logprob for r in results for t in r.tokens], dtype=np.float32),
-        "prompt_tokens": np.array([r.prompt_tokens for r in results], dtype=np.int64),
-        "cached_tokens": np.array([r.cached_tokens for r in results], dtype=np.int64),
-    }
+def results_to_outputs(call: ScoreCall, results: list) -> dict[str, np.ndarray]:
+    """The output tensors of a call's answers, as its kind puts them on the wire."""
+    return tasks.kind_named(call.kind).to_outputs(results)
 
 
 def _flat(a) -> list:
