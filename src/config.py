@@ -24,9 +24,9 @@ from .hardware import resolve_dtype
 from .kernels.attention import BACKENDS
 from .kernels.linear import LINEAR_BACKENDS
 from .kernels.score_head import HEAD_DTYPES
-from .contract.limits import DEFAULT_MAX_ITEMS, default_max_prompts
+from .contract.limits import DEFAULT_MAX_ALLOWED_TOKENS, DEFAULT_MAX_ITEMS, DEFAULT_MAX_WAITING, default_max_prompts
 from .contract.paths import default_cache_dir
-from .scheduler.policy import DEFAULT_LAMBDA_TOKENS_PER_S, DEFAULT_MAX_WAITING, POLICIES
+from .scheduler.policy import DEFAULT_LAMBDA_TOKENS_PER_S, POLICIES
 from .contract.setting_strings import is_unset, optional_int
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -34,7 +34,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # (docs/design.md §15); CUDA: not measured yet (no GPU lent), the batch size at which an
 # H100-class GPU's matmuls are compute-bound for an 8B model, as vLLM's default.
 DEFAULT_MAX_BATCH_TOKENS = {"cpu": 2048, "cuda": 8192}
-DEFAULT_MAX_ALLOWED_TOKENS = 256
 # Shares of the memory free at start-up that the unset budgets take: the prefix-KV pool first,
 # then the activation budget out of what is left.
 DEFAULT_CACHE_FRACTION = 0.2

@@ -38,7 +38,7 @@ from .model.default_model import ensure_default_model
 from .contract.errors import ConfigError, EngineClosedError
 from .worker.executor import HybridPrefillExecutor
 from .kernels.backend import KernelBackend
-from .contract.limits import RequestLimits, max_token_bytes
+from .contract.limits import RequestLimits, derived_max_prompt_bytes, max_token_bytes, resolve_max_input_len
 from .worker.memory import ActivationBudget, available_memory_bytes
 from .model.spec import ModelSpec
 from .prompts import PromptEncoder
@@ -117,17 +117,20 @@ class Engine:
     def _load_prompts(self) -> None:
         """The tokenizer, the request limits and the prompt encoder."""
         tokenizer = _load_tokenizer(self.model_path)
-        self.max_input_len = self.config.max_input_len or self.spec.context_length
+        self.max_input_len = resolve_max_input_len(self.config.max_input_len, self.spec.context_length)
         if self.max_input_len > self.spec.context_length:
             log.warning("max_input_len %d exceeds the model's context length %d (explicit override)",
                         self.max_input_len, self.spec.context_length)
         self.limits = _request_limits(self.config, self.max_input_len, tokenizer)
         self.encoder = PromptEncoder(tokenizer, self.spec.vocab_size, self.limits)
-        self._submit_context = tasks.SubmitContext(self.encoder, self.spec, self.max_input_len)
+        # a request the engine's own Triton model checked against self.limits is not checked again
+        self._submit_contexts = {checked: tasks.SubmitContext(encoder, self.spec, self.max_input_len)
+                                 for checked, encoder in ((False, self.encoder), (True, self.encoder.trusting()))}
 
     # -- public API -------------------------------------------------------------------
     def submit_task(self, kind: str, prompt, *, cache_prefix_len: int | None = None, cache_namespace: str | None = None,
-                    user: str | None = None, priority: int = 0, deadline_s: float | None = None, **arguments) -> Future:
+                    user: str | None = None, priority: int = 0, deadline_s: float | None = None,
+                    limits_checked: bool = False, **arguments) -> Future:
         """Queue one request of the registered kind `kind` (tasks/: "score", "items",
         "loglikelihood", "prompt_logprobs", or one registered since); the Future gets its answer.
 
@@ -136,9 +139,10 @@ class Engine:
         prefix cache (default the whole prompt); cache_namespace: cache hits never cross
         namespaces (tenant isolation), `user` is the namespace when none is given; priority:
         higher runs first; deadline_s: seconds from now after which the request fails with
-        DeadlineExceededError instead of starting. Bad input raises here, in the caller's thread;
-        the Future never sees it."""
-        request = tasks.kind_named(kind).build(self._submit_context, prompt, **arguments)
+        DeadlineExceededError instead of starting. limits_checked: the caller already checked the
+        request against this engine's `limits` (its Triton model does), so the sizes are not
+        checked again. Bad input raises here, in the caller's thread; the Future never sees it."""
+        request = tasks.kind_named(kind).build(self._submit_contexts[limits_checked], prompt, **arguments)
         request.keep_len = check_cache_prefix_len(cache_prefix_len, request.cache_tokens)
         request.namespace = check_namespace(cache_namespace, user)
         return self._enqueue(request, priority, deadline_s)
@@ -342,9 +346,7 @@ class Engine:
 
 def _request_limits(config: EngineConfig, max_input_len: int, tokenizer) -> RequestLimits:
     token_bytes = max_token_bytes(tokenizer)
-    # no tokenizer: prompts are token ids, and a text is refused anyway
-    derived = max_input_len * token_bytes if token_bytes else max_input_len
-    return RequestLimits(max_prompt_bytes=config.max_prompt_bytes or derived,
+    return RequestLimits(max_prompt_bytes=config.max_prompt_bytes or derived_max_prompt_bytes(max_input_len, token_bytes),
                          max_prompts_per_request=config.max_prompts_per_request, max_items=config.max_items,
                          max_allowed_tokens=config.max_allowed_tokens, max_token_bytes=token_bytes)
 

@@ -6,6 +6,7 @@ A string allowed token is scored as exactly the one token it encodes to; nothing
 
 from __future__ import annotations
 
+import copy
 import numbers
 from collections.abc import Sequence
 
@@ -19,8 +20,18 @@ class PromptEncoder:
     def __init__(self, tokenizer, vocab_size: int, limits: RequestLimits | None = None):
         self.tokenizer = tokenizer  # a transformers tokenizer, or None for id-only models
         self.vocab_size = vocab_size
-        self.limits = limits  # None: no size limits (tests of the encoding alone)
+        self.limits = limits  # None: no size limits (checked before: trusting(); tests of the encoding alone)
+        # the longest token's bytes: an allowed string longer than this is never one token (kept by
+        # trusting(): it is a cheap answer, not a quota)
+        self.max_token_bytes = limits.max_token_bytes if limits is not None else 0
         self._texts = TokenTexts(tokenizer) if tokenizer is not None else None
+
+    def trusting(self) -> "PromptEncoder":
+        """This encoder without the size limits' checks, for requests a caller already checked
+        against the same RequestLimits (the engine's own Triton model: protocol.parse_request)."""
+        twin = copy.copy(self)
+        twin.limits = None
+        return twin
 
     def encode_prompt(self, prompt, apply_chat_template: bool = False, what: str = "prompt", add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text/bytes/ids prompt. Items of a multi-item request are encoded with
@@ -147,10 +158,10 @@ class PromptEncoder:
         return self._texts(token_id) if self._texts is not None else ""
 
     def _single_token(self, text: str) -> int:
-        if self.limits is not None and self.limits.max_token_bytes and len(text) > self.limits.max_token_bytes:
+        if self.max_token_bytes and len(text) > self.max_token_bytes:
             # cheap refusal of a huge "token" before the tokenizer sees it
             raise InvalidRequestError(f"allowed token of {len(text):,} characters is longer than any token of this model "
-                                      f"(the longest is {self.limits.max_token_bytes} bytes); each must be exactly one token")
+                                      f"(the longest is {self.max_token_bytes} bytes); each must be exactly one token")
         _check_encodable(text, "allowed token")
         if not text:
             raise InvalidRequestError("allowed token '' is empty")

@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..contract.errors import ConfigError
-from ..contract.limits import DEFAULT_MAX_ITEMS, default_max_prompts
+from ..contract.limits import DEFAULT_MAX_ITEMS, DEFAULT_MAX_WAITING, default_max_prompts
 from ..contract.paths import default_cache_dir
-from ..scheduler.policy import DEFAULT_MAX_WAITING
 from ..serving.host.model_settings import engine_settings
 from ..contract.setting_strings import is_unset, optional_int
 from ..contract.wire import MODEL

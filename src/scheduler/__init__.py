@@ -10,9 +10,9 @@ answers = finish(plan, outcome).
 from ..contract.jct import JctCoefficients, JctEstimator
 from .plan import (Answer, ItemsPlan, Schedulable, StepBudget, StepMember, StepMemory, StepOutcome, StepPlan, TokenSplit,
                    WaitingRequest)
-from .policy import DEFAULT_LAMBDA_TOKENS_PER_S, DEFAULT_MAX_WAITING, POLICIES, Scheduler, error_code
+from .policy import DEFAULT_LAMBDA_TOKENS_PER_S, POLICIES, Scheduler, error_code
 from .prefix_view import IndexPrefixView, NoPrefixCache, PrefixView
 
-__all__ = ["JctCoefficients", "JctEstimator", "DEFAULT_LAMBDA_TOKENS_PER_S", "DEFAULT_MAX_WAITING", "POLICIES", "Scheduler",
+__all__ = ["JctCoefficients", "JctEstimator", "DEFAULT_LAMBDA_TOKENS_PER_S", "POLICIES", "Scheduler",
            "error_code", "Answer", "ItemsPlan", "Schedulable", "StepBudget", "StepMember", "StepMemory", "StepOutcome",
            "StepPlan", "TokenSplit", "WaitingRequest", "IndexPrefixView", "NoPrefixCache", "PrefixView"]

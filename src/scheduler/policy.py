@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 
 from ..contract.errors import DeadlineExceededError, OverloadedError, PrefillOnlyError
+from ..contract.limits import DEFAULT_MAX_WAITING
 from ..stats import EngineCounters
 from .forward_plan import attention_in_place, item_modes, plan_items
 from .groups import group_costs
@@ -46,7 +47,6 @@ from .prefix_view import NoPrefixCache, PrefixView
 POLICIES = ("fcfs", "sjf", "csjf", "csjf-independent")
 # The scheduler's own defaults; EngineConfig reads them (its settings of the same names).
 DEFAULT_LAMBDA_TOKENS_PER_S = 500.0  # the paper's starvation guard: tokens of credit per second waited
-DEFAULT_MAX_WAITING = 1024  # waiting requests beyond this are refused at once ("overloaded")
 
 
 class Scheduler:

@@ -12,7 +12,7 @@ import pytest
 from prefillonly import EngineConfig
 from prefillonly.contract.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from prefillonly.contract.limits import max_token_bytes
-from prefillonly.serving.model.protocol import parse_request
+from prefillonly.serving.model.protocol import ScoreCall, parse_request, submit_call
 
 
 def _random_texts(seed: int):
@@ -99,3 +99,21 @@ def test_prompts_per_request_limit_follows_the_queue():
     assert EngineConfig(max_waiting=8).max_prompts_per_request == 8  # never more than the queue can take
     with pytest.raises(ConfigError, match="max_prompts_per_request 100 is over max_waiting 50"):
         EngineConfig(max_waiting=50, max_prompts_per_request=100)
+
+
+def test_each_limit_is_checked_once_in_the_triton_model(default_engine):
+    """The Triton model checks a client's request against the engine's limits on the wire
+    (protocol.parse_request); the engine then trusts it and does not check the same table again.
+    A call nobody checked (limits_checked False) is checked by the engine."""
+    too_many = list(range(default_engine.limits.max_allowed_tokens + 1))
+    wire = {"text_input": np.array([b"Hi"], dtype=object), "allowed_token_ids": np.array(too_many)}
+    with pytest.raises(InvalidRequestError, match=r"\(max_allowed_tokens\)"):
+        parse_request(wire, default_engine.limits)  # refused on the wire, before the engine
+    unchecked = parse_request(wire)  # no limits given: not checked there ...
+    assert not unchecked.limits_checked
+    with pytest.raises(InvalidRequestError, match=r"too many allowed tokens: 257.*\(max_allowed_tokens\)"):
+        submit_call(default_engine, unchecked)  # ... so the engine checks
+    # a call marked checked is taken as it is: the engine does not count again
+    trusted = ScoreCall(["Hi"], too_many, options={"cache_prefix_len": 0}, limits_checked=True)
+    (future,) = submit_call(default_engine, trusted)
+    assert len(future.result(timeout=120).tokens) == len(too_many)

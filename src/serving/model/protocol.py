@@ -69,6 +69,7 @@ class ScoreCall:
     items: list | None = None
     options: dict = field(default_factory=dict)  # keyword arguments of the engine's submit_task for the kind
     kind: str = "score"  # the registered request kind (tasks/) that answers it
+    limits_checked: bool = False  # its counts and sizes were checked against the engine's RequestLimits
 
 
 def parse_request(tensors: dict[str, np.ndarray], limits: RequestLimits | None = None) -> ScoreCall:
@@ -96,7 +97,8 @@ def parse_request(tensors: dict[str, np.ndarray], limits: RequestLimits | None =
     options = _kind_options(tensors, kind, limits)
     if "user" in tensors:
         options["user"] = _text(_scalar(tensors["user"], "user"), "user")
-    return ScoreCall(prompts=prompts, allowed=allowed, items=items, options=options, kind=kind.name)
+    return ScoreCall(prompts=prompts, allowed=allowed, items=items, options=options, kind=kind.name,
+                     limits_checked=limits is not None)
 
 
 def _prompts(tensors: dict[str, np.ndarray], limits: RequestLimits | None) -> list:
@@ -152,7 +154,8 @@ def _kind_options(tensors: dict[str, np.ndarray], kind, limits: RequestLimits | 
 def submit_call(engine, call: ScoreCall) -> list:
     """The engine requests of one parsed call, all or nothing: one per prompt for a kind that
     runs each prompt on its own, else one; if one is refused, those queued are cancelled and the
-    error raised (the Triton request is answered with it)."""
+    error raised (the Triton request is answered with it). What parse_request checked against the
+    engine's limits the engine does not check again."""
     kind = tasks.kind_named(call.kind)
     arguments = dict(call.options)
     if kind.takes_allowed:
@@ -162,7 +165,7 @@ def submit_call(engine, call: ScoreCall) -> list:
     futures = []
     try:
         for prompt in call.prompts if kind.per_prompt else call.prompts[:1]:
-            futures.append(engine.submit_task(kind.name, prompt, **arguments))
+            futures.append(engine.submit_task(kind.name, prompt, limits_checked=call.limits_checked, **arguments))
     except Exception:
         for f in futures:
             f.cancel()
