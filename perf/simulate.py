@@ -75,7 +75,7 @@ import numpy as np
 from perf import benchutil as bu
 from perf import workloads as wl
 from perf.envoy_hashing import EnvoyPlacement, classify_moves
-from prefillonly.cache.index import PrefixIndex
+from prefillonly.cache.index import PrefixIndex, usable_cached_tokens
 from prefillonly.config import DEFAULT_MAX_BATCH_TOKENS, EngineConfig
 from prefillonly.contract.errors import OverloadedError
 from prefillonly.serving.picker.choice import DEFAULT_WORK_WEIGHT, Picker
@@ -236,7 +236,7 @@ WORKLOADS = {"post_rec": post_rec_workload, "credit": credit_workload}
 
 def perfect_cache_hit(r: SimRequest, block_size: int) -> int:
     """The tokens a request finds cached when every request but a user's first finds the whole kept profile."""
-    return min((r.keep_len // block_size) * block_size, r.prompt_tokens - 1) if r.index_in_user > 0 else 0
+    return usable_cached_tokens((r.keep_len // block_size) * block_size, r.prompt_tokens) if r.index_in_user > 0 else 0
 
 
 def perfect_cache_service_s(workload: Workload, cost: CostModel) -> float:

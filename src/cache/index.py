@@ -59,6 +59,14 @@ class CacheStats:
     overflow_blocks: int = 0  # wanted to keep, no room (discarded, never an error)
 
 
+def usable_cached_tokens(cached_tokens: int, prompt_tokens: int) -> int:
+    """How many of a prompt's `prompt_tokens` are read from the cache when its first
+    `cached_tokens` are cached: all but the last at most, since at least one token is always
+    computed (its row gives the logits). The index, the scheduler's estimates and its dependency
+    groups all split a prompt by this rule."""
+    return min(cached_tokens, prompt_tokens - 1)
+
+
 @dataclass
 class IndexTicket:
     """A request's hold on the index from begin to commit or abort."""
@@ -178,11 +186,11 @@ class PrefixIndex:
 
     def _reserve_new(self, hashes: list[bytes], prompt_len: int, keep_len: int, matched: list[Block],
                      moves: list[Move]) -> IndexTicket:
-        """The keep rule and the hit statistics: at least one token is always computed; the
-        blocks inside the keep boundary that are not cached are reserved (those that find no
-        room are overflow)."""
+        """The keep rule and the hit statistics: at least one token is always computed
+        (usable_cached_tokens); the blocks inside the keep boundary that are not cached are
+        reserved (those that find no room are overflow)."""
         b = self.block_size
-        cached = min(len(matched) * b, prompt_len - 1)
+        cached = usable_cached_tokens(len(matched) * b, prompt_len)
         new: list[Block] = []
         if cached == len(matched) * b:  # else everything is cached already
             parent = matched[-1].hash if matched else None
