@@ -139,28 +139,19 @@ class PrefixIndex:
     def begin(self, hashes: list[bytes], prompt_len: int, keep_len: int) -> tuple[IndexTicket, list[Move]]:
         """Match and pin the cached prefix of a prompt of `prompt_len` tokens whose block keys
         are `hashes`, reserve the new blocks to keep (those inside the first keep_len tokens).
-        Returns the ticket and the data moves to execute, in order, before any block is written."""
-        tickets, moves = self.begin_many([(hashes, prompt_len, keep_len)])
-        return tickets[0], moves
-
-    def begin_many(self, prompts: list[tuple[list[bytes], int, int]]) -> tuple[list[IndexTicket], list[Move]]:
-        """begin() for the prompts of one forward step, [(hashes, prompt_len, keep_len)]: every
-        prompt's matched blocks are pinned before any block is restored or reserved, so that
-        one member's evictions never take a block another member was promised."""
+        Returns the ticket and the data moves to execute, in order, before any block is written.
+        The engine's scheduler begins each member of a step as it picks it, so the members picked
+        before already hold their pins: one member's evictions never take a block another was promised."""
         if self.block_size < 1:
             raise ValueError("begin() needs the index's block_size (PrefixIndex(..., block_size=B))")
         moves: list[Move] = []
-        matched = [self.match(hashes) for hashes, _, _ in prompts]
-        for m in matched:
-            self.pin(m)
-        for i, m in enumerate(matched):
-            if not self._restore_to_tier1(m, moves):  # tier 1 too small to hold the matched chain: use what is in tier 1
-                first_off = next((j for j, blk in enumerate(m) if blk.tier != 1), len(m))
-                self.unpin(m[first_off:])
-                matched[i] = m[:first_off]
-        tickets = [self._reserve_new(hashes, prompt_len, keep_len, m, moves)
-                   for (hashes, prompt_len, keep_len), m in zip(prompts, matched)]
-        return tickets, moves
+        matched = self.match(hashes)
+        self.pin(matched)
+        if not self._restore_to_tier1(matched, moves):  # tier 1 too small to hold the matched chain: use what is in tier 1
+            first_off = next((j for j, blk in enumerate(matched) if blk.tier != 1), len(matched))
+            self.unpin(matched[first_off:])
+            matched = matched[:first_off]
+        return self._reserve_new(hashes, prompt_len, keep_len, matched, moves), moves
 
     def commit(self, ticket: IndexTicket) -> None:
         """The forward wrote the new blocks: they become matchable; release the ticket's pins."""

@@ -371,8 +371,10 @@ def test_index_pins_protect_a_running_request_from_eviction():
     idx = PrefixIndex(tier1_slots=3, block_size=4)
     a = keys("a", 2)
     idx.commit(idx.begin(a, 8, 8)[0])
-    running, _ = idx.begin(a + keys("x", 1), 12, 0)  # a is in use, nothing new kept
-    other, _ = idx.begin(keys("b", 3), 12, 12)  # wants 3 blocks: only the free one, a's stay
+    # the scheduler begins a step's members one by one: the one picked first holds its pins
+    running, moves = idx.begin(a + keys("x", 1), 12, 0)  # a is in use, nothing new kept
+    other, more = idx.begin(keys("b", 3), 12, 12)  # wants 3 blocks: only the free one, a's stay
+    assert running.cached_tokens == 8 and moves == more == [] and idx.stats.lookups == 3
     assert [b.hash for b in other.new] == [b"b1"] and idx.stats.overflow_blocks == 2 and idx.stats.blocks_evicted == 0
     assert set(a) <= set(idx.blocks)
     idx.commit(other)
@@ -380,15 +382,6 @@ def test_index_pins_protect_a_running_request_from_eviction():
     later, _ = idx.begin(keys("c", 2), 8, 8)  # a unpinned now: LRU leaves make room
     assert len(later.new) == 2 and idx.stats.blocks_evicted == 2
     idx.commit(later)
-
-
-def test_index_begin_many_pins_every_member_before_reserving():
-    idx = PrefixIndex(tier1_slots=3, block_size=4)
-    a = keys("a", 2)
-    idx.commit(idx.begin(a, 8, 8)[0])
-    (first, second), moves = idx.begin_many([(a + keys("y", 1), 12, 0), (keys("b", 3), 12, 12)])
-    assert first.cached_tokens == 8 and len(second.new) == 1 and set(a) <= set(idx.blocks) and moves == []
-    assert idx.stats.lookups == 3
 
 
 def test_index_begin_restores_second_tier_blocks_and_returns_the_moves():
