@@ -443,9 +443,10 @@ def test_sim_engine_caches_exactly_as_the_engines_prefix_cache():
         clock.now = engine.start_next()
         [record] = engine.finish()
         simulated.append(record.cached)
-        ticket = cache.begin(r.block_keys, r.prompt_tokens, r.keep_len)
-        real.append(ticket.cached_tokens)
-        cache.commit(ticket)
+        ticket, moves = cache.index.begin(r.block_keys, r.prompt_tokens, r.keep_len)  # the engine's path
+        cache.execute(moves)
+        real.append(cache.access(ticket).cached_tokens)
+        cache.index.commit(ticket)
     assert simulated == real and sum(real) > 0
     assert vars(engine.index.stats) == vars(cache.stats)
     assert cache.stats.blocks_evicted > 0 and cache.stats.overflow_blocks > 0 and cache.stats.hit_tokens == sum(real)
