@@ -439,7 +439,7 @@ def measure_warm_requests(report: Report, plan: Plan, matmul_rate: float | None)
             executor = HybridPrefillExecutor(spec, weights, KernelBackend(dev, torch.bfloat16, spec.head_dim, backend))
             cache = PrefixCache(spec, torch.bfloat16, dev, block_size=16, budget_bytes=2 * p * spec.kv_width * spec.num_layers * 2 + (64 << 20))
             # as the engine does: the index begins a ticket, the cache executes its moves and gives the executor its view
-            keep, moves = cache.index.begin(cache.hashes(ids[:p].tolist(), None), p + 1, p)  # computes the profile's blocks
+            keep, moves = cache.index.begin(cache.hashes(ids[:p].tolist(), None), p + 1, p // cache.block_size)  # computes the profile's blocks
             cache.execute(moves)
             executor.forward(ids[: p + 1], chunk, sink=cache.access(keep).sink)
             cache.index.commit(keep)

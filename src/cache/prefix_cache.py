@@ -1,7 +1,7 @@
 """PrefixCache: keep the K/V of prompt prefixes worth keeping, never the rest (docs/design.md §3).
 
 Per request (the engine's path: the scheduler holds the ticket, the runner the rest):
-    ticket, moves = cache.index.begin(hashes, len(ids), keep_len)      # match + pin, reserve new ones
+    ticket, moves = cache.index.begin(hashes, len(ids), kept_blocks)   # match + pin, reserve new ones
     cache.execute(moves)                                               # tier restores/offloads, in order
     access = cache.access(ticket)                                      # the executor's view of the ticket
     executor.forward(ids[access.cached_tokens:], prefix=access.source, sink=access.sink)
@@ -10,8 +10,8 @@ Per request (the engine's path: the scheduler holds the ticket, the runner the r
 A block keeps its positions' K/V of every layer, their final hidden states (a logprob span
 over cached positions runs the LM head on those) and, where a span computed them, each token's
 logprob and the best token at its position (a later span with top k <= 1 reads these instead).
-Only whole blocks inside the keep boundary (`keep_len`: by default the whole prompt, or the
-request's `cache_prefix_len`) are written to the pool; every other token's K/V lives
+Only whole blocks inside the keep boundary (`kept_blocks`: by default the whole prompt's, or those
+inside the request's `cache_prefix_len`) are written to the pool; every other token's K/V lives
 only in the executor's per-layer buffers (suffix discard). Blocks that find no room are dropped
 (overflow is never an error). At least one token is always computed, so a fully cached prompt
 still yields logits.

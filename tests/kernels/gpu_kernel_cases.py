@@ -319,11 +319,11 @@ def test_executor_triton_equals_torch_path(folders):
     assert max_abs(fast, slow) <= 0.05
 
 
-def _begin(cache: PrefixCache, ids: torch.Tensor, keep_len: int):
+def _begin(cache: PrefixCache, ids: torch.Tensor, kept_blocks: int):
     """A prompt's cache ticket as the engine begins one (the index pins and reserves, the cache
     executes the moves) and the executor's view of it (PrefixCache.access); commit with
     cache.index.commit(ticket)."""
-    ticket, moves = cache.index.begin(cache.hashes(ids.tolist(), None), len(ids), keep_len)
+    ticket, moves = cache.index.begin(cache.hashes(ids.tolist(), None), len(ids), kept_blocks)
     cache.execute(moves)
     return ticket, cache.access(ticket)
 
@@ -338,7 +338,7 @@ def test_warm_requests_read_the_pool_in_place_batched(folders):
     cache = PrefixCache(spec, DTYPES[-1], DEVICE, block_size=16, budget_bytes=64 << 20)
     prompts = [_ids(gen, spec.vocab_size, n) for n in (50, 33, 70)]
     for ids in prompts:  # cold: computes and keeps every whole block
-        t, view = _begin(cache, ids, len(ids))
+        t, view = _begin(cache, ids, len(ids) // cache.block_size)
         ex.forward(ids, None, prefix=view.source, sink=view.sink)
         cache.index.commit(t)
     loads = []
