@@ -438,10 +438,14 @@ def measure_warm_requests(report: Report, plan: Plan, matmul_rate: float | None)
                 continue
             executor = HybridPrefillExecutor(spec, weights, KernelBackend(dev, torch.bfloat16, spec.head_dim, backend))
             cache = PrefixCache(spec, torch.bfloat16, dev, block_size=16, budget_bytes=2 * p * spec.kv_width * spec.num_layers * 2 + (64 << 20))
-            keep = cache.begin(cache.hashes(ids[:p].tolist(), None), p + 1, p)  # computes the profile's blocks
-            executor.forward(ids[: p + 1], chunk, sink=keep.sink)
-            cache.commit(keep)
-            t = cache.begin(cache.hashes(ids.tolist(), None), p + s, 0)
+            # as the engine does: the index begins a ticket, the cache executes its moves and gives the executor its view
+            keep, moves = cache.index.begin(cache.hashes(ids[:p].tolist(), None), p + 1, p // cache.block_size)  # computes the profile's blocks
+            cache.execute(moves)
+            executor.forward(ids[: p + 1], chunk, sink=cache.access(keep).sink)
+            cache.index.commit(keep)
+            ticket, moves = cache.index.begin(cache.hashes(ids.tolist(), None), p + s, 0)
+            cache.execute(moves)
+            t = cache.access(ticket)
             new = ids[t.cached_tokens :]
             warm_fn = lambda: executor.forward(new, chunk, prefix=t.source)  # noqa: E731
             warm = time_call(warm_fn, dev, 3)
@@ -461,7 +465,7 @@ def measure_warm_requests(report: Report, plan: Plan, matmul_rate: float | None)
                                     "one_by_one_ms": 1e3 * b * w, "speedup": b * w / step, "TFLOP/s": b * flops / step / 1e12,
                                     "MFU_datasheet": b * flops / step / H200_DATASHEET_BF16_FLOPS})
                 del batch
-            cache.commit(t)
+            cache.index.commit(ticket)
             free_device_memory()
     del weights
     free_device_memory()

@@ -75,7 +75,7 @@ import numpy as np
 from perf import benchutil as bu
 from perf import workloads as wl
 from perf.envoy_hashing import EnvoyPlacement, classify_moves
-from prefillonly.cache.index import PrefixIndex
+from prefillonly.cache.index import PrefixIndex, usable_cached_tokens
 from prefillonly.config import DEFAULT_MAX_BATCH_TOKENS, EngineConfig
 from prefillonly.contract.errors import OverloadedError
 from prefillonly.serving.picker.choice import DEFAULT_WORK_WEIGHT, Picker
@@ -154,9 +154,14 @@ class SimRequest:
     user: int
     index_in_user: int
     prompt_tokens: int
-    keep_len: int  # the trace's cache_prefix_len: blocks before it are kept after the forward
+    cache_prefix_len: int  # the trace's (the API's, in tokens): whole blocks before it are kept after the forward
     block_keys: list  # one key per full block of the prompt (what PrefixIndex matches on)
     arrival_s: float = 0.0
+
+    def kept_blocks(self, block_size: int) -> int:
+        """The keep boundary in whole blocks, as Engine.submit_task converts cache_prefix_len
+        (the scheduler, the index and the picker count it in blocks)."""
+        return self.cache_prefix_len // block_size
 
 
 @dataclass
@@ -178,7 +183,7 @@ class Workload:
         return [dataclasses.replace(r, arrival_s=t.arrival_s) for r, t in zip(self.requests, stamped.requests)]
 
     def summary(self) -> str:
-        shared = sum(r.keep_len for r in self.requests if r.index_in_user > 0)
+        shared = sum(r.cache_prefix_len for r in self.requests if r.index_in_user > 0)
         return (f"{self.name}/{self.scale} seed {self.seed}: {len(self.requests)} requests, {len({r.user for r in self.requests})} users, "
                 f"{self.prompt_tokens:,} prompt tokens ({shared:,} in profiles seen before)")
 
@@ -190,7 +195,7 @@ def _key(*parts) -> bytes:
 def _workload(workload: str, scale, seed: int, block_size: int, reqs: list[SimRequest]) -> Workload:
     """`reqs` as a Workload, with a skeleton trace of the same users and requests (no ids)."""
     s = wl.resolve_scale(scale, wl.POST_REC_SCALES if workload == "post_rec" else wl.CREDIT_SCALES)
-    tr = [wl.TraceRequest(r.request_id, r.user, r.index_in_user, [], r.keep_len) for r in reqs]
+    tr = [wl.TraceRequest(r.request_id, r.user, r.index_in_user, [], r.cache_prefix_len) for r in reqs]
     skeleton = wl.Trace(workload, dataclasses.asdict(s), seed, wl.SMOLLM2_VOCAB_SIZE, wl.LOW_TOKEN_ID, [], [], tr)
     return Workload(workload, scale if isinstance(scale, str) else "custom", seed, block_size, reqs, skeleton)
 
@@ -236,7 +241,7 @@ WORKLOADS = {"post_rec": post_rec_workload, "credit": credit_workload}
 
 def perfect_cache_hit(r: SimRequest, block_size: int) -> int:
     """The tokens a request finds cached when every request but a user's first finds the whole kept profile."""
-    return min((r.keep_len // block_size) * block_size, r.prompt_tokens - 1) if r.index_in_user > 0 else 0
+    return usable_cached_tokens(r.kept_blocks(block_size) * block_size, r.prompt_tokens) if r.index_in_user > 0 else 0
 
 
 def perfect_cache_service_s(workload: Workload, cost: CostModel) -> float:
@@ -356,7 +361,7 @@ class PickerRouter:
             for e in self.engines:
                 self.picker.report(e.eid, e.queued_work_s(now), e.estimator.coefficients, now)
             self._next_report = now + self.report_interval_s
-        return self.picker.pick(r.user, r.block_keys, r.prompt_tokens, now, r.keep_len // self.picker.block_size).replica
+        return self.picker.pick(r.user, r.block_keys, r.prompt_tokens, now, r.kept_blocks(self.picker.block_size)).replica
 
 
 class _Clock:
@@ -441,7 +446,7 @@ class QueuedTraceRequest(WaitingRequest):
 
 
 def _queued(r: SimRequest, block_size: int) -> QueuedTraceRequest:
-    return QueuedTraceRequest(prompt_tokens=r.prompt_tokens, block_hashes=r.block_keys, kept_blocks=r.keep_len // block_size,
+    return QueuedTraceRequest(prompt_tokens=r.prompt_tokens, block_hashes=r.block_keys, kept_blocks=r.kept_blocks(block_size),
                               trace=r)
 
 
@@ -527,7 +532,7 @@ def simulate(requests: list[SimRequest], cost: CostModel, cfg: SimConfig, block_
     max_waiting = cfg.max_waiting or (len(requests) + 1)
     cache_blocks = cfg.cache_blocks
     if cache_blocks is None:  # PrefixIndex preallocates its free list: size it to what can be kept
-        cache_blocks = max(1, sum(r.keep_len // block_size for r in requests))
+        cache_blocks = max(1, sum(r.kept_blocks(block_size) for r in requests))
     fallback = cfg.fallback_s_per_token or cost.seconds(256, 0) / 256
     step_tokens = cfg.max_batch_tokens or default_step_tokens(cost)
     engines = [SimEngine(i, cfg.policy, cost, block_size, cache_blocks, clock, cfg.lambda_tokens_per_s,
@@ -637,7 +642,7 @@ def run_scenario(sc: Scenario, loads: list[float], policies: list[str], seed: in
     blocks = None if sc.cache_gib is None else cache_blocks_for(sc.cache_gib, cost, block_size)
     sat = saturated_qps(work, cost, sc.engines)
     step_tokens = max_batch_tokens or default_step_tokens(cost)
-    profile_blocks = sum(r.keep_len // block_size for r in work.requests if r.index_in_user == 0)
+    profile_blocks = sum(r.kept_blocks(block_size) for r in work.requests if r.index_in_user == 0)
     bu.log(f"{sc.name}: {work.summary()}; saturated {sat:.3g} req/s; cache "
            f"{'room for every profile' if blocks is None else f'{blocks:,} blocks/engine'} (profiles need {profile_blocks:,} "
            f"in all); steps of <= {step_tokens} uncached tokens")
@@ -685,11 +690,11 @@ def measure_pick_cost(sizes=(1000, 5000), block_size: int = DEFAULT_BLOCK, reps:
         for policy in policies:
             for size in sizes:
                 clock = _Clock()
-                index = PrefixIndex(sum(r.keep_len // block_size for r in work.requests if r.index_in_user == 0), block_size=block_size)
+                index = PrefixIndex(sum(r.kept_blocks(block_size) for r in work.requests if r.index_in_user == 0), block_size=block_size)
                 if cached:  # each user's profile computed and kept, as the engine keeps it
                     for r in work.requests:
                         if r.index_in_user == 0:
-                            index.commit(index.begin(r.block_keys, r.prompt_tokens, r.keep_len)[0])
+                            index.commit(index.begin(r.block_keys, r.prompt_tokens, r.kept_blocks(block_size))[0])
                 est = JctEstimator()
                 for u, c in [(14000, 0), (200, 14000), (180, 12000), (16000, 0), (150, 16000)]:
                     est.observe(u, c, cost.seconds(u, c))

@@ -143,7 +143,8 @@ class Engine:
         request against this engine's `limits` (its Triton model does), so the sizes are not
         checked again. Bad input raises here, in the caller's thread; the Future never sees it."""
         request = tasks.kind_named(kind).build(self._submit_contexts[limits_checked], prompt, **arguments)
-        request.keep_len = check_cache_prefix_len(cache_prefix_len, request.cache_tokens)
+        # the keep boundary in whole blocks, converted once: everything below counts it in blocks
+        request.kept_blocks = check_cache_prefix_len(cache_prefix_len, request.cache_tokens) // self.config.cache_block_size
         request.namespace = check_namespace(cache_namespace, user)
         return self._enqueue(request, priority, deadline_s)
 
@@ -260,7 +261,6 @@ class Engine:
             if self.spec.rope_long(request.rope_length):
                 namespace = f"{namespace or ''}\0longrope-long"
             request.block_hashes = self.cache.hashes(request.token_ids, namespace)
-        request.kept_blocks = request.keep_len // self.config.cache_block_size
         with self._cv:
             if self._closed:
                 raise EngineClosedError("engine is closed")

@@ -50,12 +50,13 @@ class Request:
     # first, then its items batched over the shared K/V (a logprob span shares a step: the step's
     # memory check counts each member's span)
     runs_alone: bool = False
-    keep_len: int = 0  # leading tokens the prefix cache may keep (the cache boundary)
     namespace: str | None = None  # cache hits never cross namespaces
     priority: int = 0  # higher runs first
     deadline: float | None = None  # scheduler clock time after which it must not start
     block_hashes: list[bytes] = field(default_factory=list)  # the prompt's prefix-cache keys (set at enqueue)
-    kept_blocks: int = 0  # leading blocks of block_hashes the cache may keep (set at enqueue)
+    # leading blocks of block_hashes the cache may keep: the keep boundary (cache_prefix_len) in whole
+    # blocks, set at submit (the only unit below the engine's API)
+    kept_blocks: int = 0
     future: RequestFuture = field(default_factory=RequestFuture)
     # written by the scheduler when it queues the request
     arrived: float = 0.0

@@ -1,12 +1,13 @@
 """Prefix K/V kept across requests (suffix K/V is never stored).
 
-block_hash.py  chained block keys (model + namespace rooted)
-index.py       PrefixIndex: tensor-free bookkeeping (hashes, refs, LRU, tiers) and the
-               tensor-free half of a request's begin/commit/abort (match, pin, keep rule, stats)
+index.py       PrefixIndex: tensor-free bookkeeping (hashes, refs, LRU, tiers) and a request's
+               ticket from begin to commit/abort (match, pin, keep rule, stats); the block keys
+               it matches on are contract/block_keys.py's
 kv_pool.py     KVPool: preallocated K/V slots
-prefix_cache.py PrefixCache: begin/commit/abort around one forward, with the pool-backed
-               source and sink of the executor's protocols (prefix_io.py)
+prefix_cache.py PrefixCache: the pools beside the index; executes the index's data moves and
+               gives the executor its view of a ticket (access: the pool-backed source and sink
+               of the protocols in prefix_io.py)
 
-Nothing is imported here: the tensor-free half (index.py, block_hash.py) loads without torch,
-which the scheduler and the simulator rely on.
+Nothing is imported here: the tensor-free half (index.py) loads without torch, which the
+scheduler and the simulator rely on.
 """

@@ -4,9 +4,15 @@ The scheduler and the simulator use it without a model; PrefixCache pairs it wit
 pools and executes the data moves it returns. A request's cache lifecycle lives here, tensor-free,
 so that the engine's cache and the simulator's run the same rules:
 
-    ticket, moves = index.begin(hashes, prompt_len, keep_len)   # match + pin, reserve the blocks to keep
+    ticket, moves = index.begin(hashes, prompt_len, kept_blocks)   # match + pin, reserve the blocks to keep
     ... (the caller executes `moves`, computes, fills ticket.new) ...
     index.commit(ticket)   (or index.abort(ticket) if the forward failed)
+
+In the engine the scheduler does both ends (through scheduler/prefix_view.py: begin while it picks
+a step, commit or abort in finish) and the runner only executes the moves and hands the executor
+PrefixCache.access(ticket). The keep boundary comes in whole blocks (the engine converts the API's
+cache_prefix_len once, at submit). At least one token of a prompt is always computed: that rule is
+written once, usable_cached_tokens, for the index and the scheduler alike.
 
 Tiers: 1 = the primary pool (next to the compute), 2 = the optional second tier (host
 memory on CUDA). Invariants:
@@ -59,9 +65,18 @@ class CacheStats:
     overflow_blocks: int = 0  # wanted to keep, no room (discarded, never an error)
 
 
+def usable_cached_tokens(cached_tokens: int, prompt_tokens: int) -> int:
+    """How many of a prompt's `prompt_tokens` are read from the cache when its first
+    `cached_tokens` are cached: all but the last at most, since at least one token is always
+    computed (its row gives the logits). The index, the scheduler's estimates and its dependency
+    groups all split a prompt by this rule."""
+    return min(cached_tokens, prompt_tokens - 1)
+
+
 @dataclass
 class IndexTicket:
-    """A request's hold on the index from begin to commit or abort."""
+    """A request's hold on the index from begin to commit or abort: the cache's one ticket. The
+    scheduler holds it (StepMember.ticket); the executor sees it through PrefixCache.access."""
 
     cached_tokens: int  # P: prompt tokens whose K/V is read from the cache
     matched: list[Block]  # pinned cached blocks covering [0, P) (last one maybe partly used)
@@ -128,31 +143,23 @@ class PrefixIndex:
             self._refresh(b)
 
     # -- a request's lifecycle -----------------------------------------------------------------
-    def begin(self, hashes: list[bytes], prompt_len: int, keep_len: int) -> tuple[IndexTicket, list[Move]]:
+    def begin(self, hashes: list[bytes], prompt_len: int, kept_blocks: int) -> tuple[IndexTicket, list[Move]]:
         """Match and pin the cached prefix of a prompt of `prompt_len` tokens whose block keys
-        are `hashes`, reserve the new blocks to keep (those inside the first keep_len tokens).
-        Returns the ticket and the data moves to execute, in order, before any block is written."""
-        tickets, moves = self.begin_many([(hashes, prompt_len, keep_len)])
-        return tickets[0], moves
-
-    def begin_many(self, prompts: list[tuple[list[bytes], int, int]]) -> tuple[list[IndexTicket], list[Move]]:
-        """begin() for the prompts of one forward step, [(hashes, prompt_len, keep_len)]: every
-        prompt's matched blocks are pinned before any block is restored or reserved, so that
-        one member's evictions never take a block another member was promised."""
+        are `hashes`, reserve the blocks to keep that are not cached yet (among the first
+        `kept_blocks` of `hashes`: the request's keep boundary, in whole blocks). Returns the
+        ticket and the data moves to execute, in order, before any block is written. The engine's
+        scheduler begins each member of a step as it picks it, so the members picked before
+        already hold their pins: one member's evictions never take a block another was promised."""
         if self.block_size < 1:
             raise ValueError("begin() needs the index's block_size (PrefixIndex(..., block_size=B))")
         moves: list[Move] = []
-        matched = [self.match(hashes) for hashes, _, _ in prompts]
-        for m in matched:
-            self.pin(m)
-        for i, m in enumerate(matched):
-            if not self._restore_to_tier1(m, moves):  # tier 1 too small to hold the matched chain: use what is in tier 1
-                first_off = next((j for j, blk in enumerate(m) if blk.tier != 1), len(m))
-                self.unpin(m[first_off:])
-                matched[i] = m[:first_off]
-        tickets = [self._reserve_new(hashes, prompt_len, keep_len, m, moves)
-                   for (hashes, prompt_len, keep_len), m in zip(prompts, matched)]
-        return tickets, moves
+        matched = self.match(hashes)
+        self.pin(matched)
+        if not self._restore_to_tier1(matched, moves):  # tier 1 too small to hold the matched chain: use what is in tier 1
+            first_off = next((j for j, blk in enumerate(matched) if blk.tier != 1), len(matched))
+            self.unpin(matched[first_off:])
+            matched = matched[:first_off]
+        return self._reserve_new(hashes, prompt_len, kept_blocks, matched, moves), moves
 
     def commit(self, ticket: IndexTicket) -> None:
         """The forward wrote the new blocks: they become matchable; release the ticket's pins."""
@@ -176,17 +183,17 @@ class PrefixIndex:
             moves += needed
         return True
 
-    def _reserve_new(self, hashes: list[bytes], prompt_len: int, keep_len: int, matched: list[Block],
+    def _reserve_new(self, hashes: list[bytes], prompt_len: int, kept_blocks: int, matched: list[Block],
                      moves: list[Move]) -> IndexTicket:
-        """The keep rule and the hit statistics: at least one token is always computed; the
-        blocks inside the keep boundary that are not cached are reserved (those that find no
-        room are overflow)."""
-        b = self.block_size
-        cached = min(len(matched) * b, prompt_len - 1)
+        """The keep rule and the hit statistics: at least one token is always computed
+        (usable_cached_tokens); the first `kept_blocks` blocks that are not cached are reserved
+        (those that find no room are overflow)."""
+        matched_tokens = len(matched) * self.block_size
+        cached = usable_cached_tokens(matched_tokens, prompt_len)
         new: list[Block] = []
-        if cached == len(matched) * b:  # else everything is cached already
+        if cached == matched_tokens:  # else everything is cached already
             parent = matched[-1].hash if matched else None
-            new, needed = self.reserve_chain(hashes[len(matched) : keep_len // b], parent)
+            new, needed = self.reserve_chain(hashes[len(matched) : kept_blocks], parent)
             moves += needed
         self.stats.lookups += 1
         self.stats.hit_tokens += cached

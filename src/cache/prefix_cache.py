@@ -1,15 +1,18 @@
 """PrefixCache: keep the K/V of prompt prefixes worth keeping, never the rest (docs/design.md §3).
 
-Per request:
-    ticket = cache.begin(cache.hashes(ids, namespace), len(ids), keep_len)   # match + pin, reserve new ones
-    executor.forward(ids[ticket.cached_tokens:], prefix=ticket.source, sink=ticket.sink)
-    cache.commit(ticket)  (or cache.abort(ticket) if the forward failed)
+Per request (the engine's path: the scheduler holds the ticket, the runner the rest):
+    ticket, moves = cache.index.begin(hashes, len(ids), kept_blocks)   # match + pin, reserve new ones
+    cache.execute(moves)                                               # tier restores/offloads, in order
+    access = cache.access(ticket)                                      # the executor's view of the ticket
+    executor.forward(ids[access.cached_tokens:], prefix=access.source, sink=access.sink)
+    cache.index.commit(ticket)  (or cache.index.abort(ticket) if the forward failed)
 
 A block keeps its positions' K/V of every layer, their final hidden states (a logprob span
 over cached positions runs the LM head on those) and, where a span computed them, each token's
-logprob and the best token at its position (a later span with top k <= 1 reads these instead). Only whole blocks inside the keep boundary (`keep_len`: by default the whole prompt, or the
-request's `cache_prefix_len`) are written to the pool; every other token's K/V lives only in
-the executor's per-layer buffers (suffix discard). Blocks that find no room are dropped
+logprob and the best token at its position (a later span with top k <= 1 reads these instead).
+Only whole blocks inside the keep boundary (`kept_blocks`: by default the whole prompt's, or those
+inside the request's `cache_prefix_len`) are written to the pool; every other token's K/V lives
+only in the executor's per-layer buffers (suffix discard). Blocks that find no room are dropped
 (overflow is never an error). At least one token is always computed, so a fully cached prompt
 still yields logits.
 """
@@ -26,12 +29,18 @@ from .index import Block, CacheStats, IndexTicket, Move, PrefixIndex
 from .kv_pool import KVPool
 
 
-@dataclass
-class CacheTicket(IndexTicket):
-    """The index's ticket (cached_tokens, matched, new) with the executor's view of its blocks."""
+@dataclass(frozen=True)
+class PrefixAccess:
+    """The executor's view of one cache ticket (PrefixCache.access): what it reads and where it
+    writes. Not a ticket: it holds no pins, and nothing commits or aborts it (the scheduler does
+    that to the ticket it came from)."""
 
+    cached_tokens: int  # leading prompt tokens read from the cache (the ticket's)
     source: PrefixSource | None = None  # reads the matched blocks from the pool (None: nothing cached)
     sink: KVSink | None = None  # writes the new blocks into their reserved slots (None: none to keep)
+
+
+NO_PREFIX = PrefixAccess(0)  # a request without a ticket (no cache): nothing read, nothing kept
 
 
 class _PoolSource:
@@ -112,19 +121,6 @@ class PrefixCache:
         """The prompt's block keys (hashed once per request; the scheduler reuses them)."""
         return block_hashes(ids, self.block_size, namespace_root(self.model_id, namespace))
 
-    def cached_tokens(self, hashes: list[bytes]) -> int:
-        """Leading tokens cached right now, for a prompt's block keys (no pinning)."""
-        return self.index.match_length(hashes) * self.block_size
-
-    def begin(self, hashes: list[bytes], prompt_len: int, keep_len: int) -> CacheTicket:
-        """Match and pin the cached prefix of a prompt of `prompt_len` tokens whose block keys
-        are `hashes` (from hashes(), computed once at submit), reserve slots for the new blocks
-        to keep (those inside the first keep_len tokens). The engine's scheduler does the same in
-        two halves: PrefixIndex.begin while it picks a step, then execute + attach before the forward."""
-        ticket, moves = self.index.begin(hashes, prompt_len, keep_len)
-        self.execute(moves)
-        return self.attach(ticket)
-
     def execute(self, moves: list[Move]) -> None:
         """Copy blocks between tiers as the index's moves say, in order (restores and offloads
         come before any new block is written)."""
@@ -133,21 +129,12 @@ class PrefixCache:
         if moves and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
-    def attach(self, t: IndexTicket) -> CacheTicket:
-        """The index's ticket with the executor's view of its blocks: a source reading the
-        matched blocks from the pool and a sink writing the new ones into their slots."""
-        ticket = CacheTicket(cached_tokens=t.cached_tokens, matched=t.matched, new=t.new)
-        if t.cached_tokens:
-            ticket.source = _PoolSource(self.pools[1], self._slots(t.matched), t.cached_tokens)
-        if t.new:
-            ticket.sink = _PoolSink(self.pools[1], self._slots(t.new), len(t.matched) * self.block_size)
-        return ticket
-
-    def commit(self, ticket: CacheTicket) -> None:
-        self.index.commit(ticket)
-
-    def abort(self, ticket: CacheTicket) -> None:
-        self.index.abort(ticket)
+    def access(self, t: IndexTicket) -> PrefixAccess:
+        """The executor's view of the index's ticket `t` (its moves executed): a source reading
+        the matched blocks from the pool and a sink writing the new ones into their slots."""
+        source = _PoolSource(self.pools[1], self._slots(t.matched), t.cached_tokens) if t.cached_tokens else None
+        sink = _PoolSink(self.pools[1], self._slots(t.new), len(t.matched) * self.block_size) if t.new else None
+        return PrefixAccess(t.cached_tokens, source, sink)
 
     # -- internals -----------------------------------------------------------------------
     def _slots(self, blocks: list[Block]) -> torch.Tensor:

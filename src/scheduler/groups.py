@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 
+from ..cache.index import usable_cached_tokens
 from .plan import TokenSplit, Schedulable
 
 
@@ -75,7 +76,7 @@ def group_costs(waiting: list[Schedulable], block_size: int, cached_blocks: Call
             n = shared_blocks(r.block_hashes, leader.block_hashes, i, leader.kept_blocks)
             if n == 0:
                 continue
-            cached = min((i + n) * block_size, r.cache_tokens - 1)
+            cached = usable_cached_tokens((i + n) * block_size, r.cache_tokens)
             total += predict(TokenSplit(r.prompt_tokens - cached, cached))
             followers += 1
             oldest = min(oldest, r.arrived)

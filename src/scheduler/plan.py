@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-if TYPE_CHECKING:  # the cache index is tensor-free, but its package imports torch
+if TYPE_CHECKING:  # types only (the tensor-free index is imported for real where its rules are used)
     from ..cache.index import IndexTicket, Move
 
 

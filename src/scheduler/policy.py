@@ -35,6 +35,7 @@ import itertools
 import time
 from collections.abc import Callable
 
+from ..cache.index import usable_cached_tokens
 from ..contract.errors import DeadlineExceededError, OverloadedError, PrefillOnlyError
 from ..contract.limits import DEFAULT_MAX_WAITING
 from ..stats import EngineCounters
@@ -96,7 +97,7 @@ class Scheduler:
         computed); `cached_tokens`: the cache's answer if already asked during this pick."""
         if cached_tokens is None:
             cached_tokens = self.prefix.cached_tokens(req)
-        cached = min(cached_tokens, req.cache_tokens - 1)
+        cached = usable_cached_tokens(cached_tokens, req.cache_tokens)
         return TokenSplit(req.prompt_tokens - cached, cached)
 
     def estimate(self, req: Schedulable, cached_tokens: int | None = None) -> float:

@@ -1,5 +1,7 @@
 """What the scheduler asks of the prefix cache: how much of a prompt is cached now, and a ticket's
-whole life (pin, then commit or abort) — the scheduler is the one place that holds tickets.
+whole life (pin, then commit or abort) — the scheduler is the one place that begins, commits and
+aborts tickets (the runner only executes a step's data moves and hands the executor each
+ticket's PrefixCache.access view; nothing else touches a ticket).
 
 The scheduler estimates every waiting request against the cache as it is now (`cached_tokens`)
 and pins each member of a step while it picks it (`begin`), so the budget decision is made once,
@@ -74,7 +76,7 @@ class IndexPrefixView:
         return self.index.held_length(req.block_hashes, pending)
 
     def begin(self, req: Schedulable) -> tuple[IndexTicket, list[Move]]:
-        return self.index.begin(req.block_hashes, req.cache_tokens, req.kept_blocks * self.block_size)
+        return self.index.begin(req.block_hashes, req.cache_tokens, req.kept_blocks)
 
     def commit(self, ticket: IndexTicket) -> None:
         self.index.commit(ticket)

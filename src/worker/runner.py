@@ -4,11 +4,13 @@
 
 It owns the executor, the prefix cache's tensors and the memory meter; it decides nothing: which
 requests run, on which cached prefix, with attention in place or not and (a multi-item request)
-in which item groups is in the plan (scheduler/plan.py), and the scheduler's finish() commits or
-aborts the tickets and counts the outcome; each request's kind (tasks/) builds its answer from
-its rows. A step of several requests is one ForwardBatch (their uncached tokens packed row after
-row); a multi-item request is a step of its own: its shared prompt (K/V captured), then its
-items batched over that K/V.
+in which item groups is in the plan (scheduler/plan.py). The scheduler owns every cache ticket
+(it began them while picking; its finish() commits or aborts them and counts the outcome): the
+runner only executes the plan's data moves and gives the executor each ticket's view
+(PrefixCache.access: the tokens read, a source, a sink). Each request's kind (tasks/) builds its
+answer from its rows. A step of several requests is one ForwardBatch (their uncached tokens
+packed row after row); a multi-item request is a step of its own: its shared prompt (K/V
+captured), then its items batched over that K/V.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 
 import torch
 
-from ..cache.prefix_cache import CacheTicket, PrefixCache
+from ..cache.prefix_cache import NO_PREFIX, PrefixAccess, PrefixCache
 from .executor import ForwardBatch, HybridPrefillExecutor, Sequence
 from .memory import PeakMemoryMeter
 from ..cache.prefix_io import PrefixKV
@@ -43,16 +45,16 @@ class PrefillRunner:
                 self.cache.execute(plan.moves)
             if not plan.members:
                 return StepOutcome()
-            tickets = [self.cache.attach(m.ticket) if m.ticket is not None else None for m in plan.members]
+            access = [self.cache.access(m.ticket) if m.ticket is not None else NO_PREFIX for m in plan.members]
             if plan.items is not None:
-                return self._run_items(plan.members[0].request, tickets[0], plan.items)
-            return self._run_batch([m.request for m in plan.members], tickets, plan.shape, plan.inplace_attention)
+                return self._run_items(plan.members[0].request, access[0], plan.items)
+            return self._run_batch([m.request for m in plan.members], access, plan.shape, plan.inplace_attention)
         except BaseException as e:  # every member gets exactly one answer: this error
             return StepOutcome(error=e)
 
-    def _run_batch(self, requests: list[Request], tickets: list[CacheTicket | None], shape: list[TokenSplit],
+    def _run_batch(self, requests: list[Request], access: list[PrefixAccess], shape: list[TokenSplit],
                    inplace: bool) -> StepOutcome:
-        batch = ForwardBatch([_uncached_sequence(r.token_ids, t, logprobs=(r.logprob_rows, r.logprob_top_k)) for r, t in zip(requests, tickets)])
+        batch = ForwardBatch([_uncached_sequence(r.token_ids, a, logprobs=(r.logprob_rows, r.logprob_top_k)) for r, a in zip(requests, access)])
         t0 = time.perf_counter()
         self.meter.start()
         out = self.executor.forward_batch(batch, self.chunk_size, inplace)
@@ -62,14 +64,14 @@ class PrefillRunner:
                    for i, (r, split) in enumerate(zip(requests, shape))]
         return StepOutcome(results, forward_s=forward_s)
 
-    def _run_items(self, request: Request, ticket: CacheTicket | None, items_plan: ItemsPlan) -> StepOutcome:
+    def _run_items(self, request: Request, access: PrefixAccess, items_plan: ItemsPlan) -> StepOutcome:
         """The shared prompt once (its K/V captured for this request only, whatever the cache
         budget), then the items in the plan's groups."""
         shared, items = request.token_ids, request.item_ids
-        p = ticket.cached_tokens if ticket is not None else 0
+        p = access.cached_tokens
         regime = request.rope_length  # the shared part and every item rotate as its longest item does
         shared_out = self.executor.forward_batch(
-            ForwardBatch([_uncached_sequence(shared, ticket, capture=(0, len(shared)), rope_length=regime)]), self.chunk_size,
+            ForwardBatch([_uncached_sequence(shared, access, capture=(0, len(shared)), rope_length=regime)]), self.chunk_size,
             items_plan.shared_inplace)
         shared_kv: PrefixKV = shared_out.captured[0]
         spans = request.item_logprobs  # each item's own tokens after the first (log-likelihood)
@@ -87,14 +89,13 @@ class PrefillRunner:
         return StepOutcome([results], item_tokens=sum(map(len, items)))
 
 
-def _uncached_sequence(ids: list[int], ticket: CacheTicket | None, capture: tuple[int, int] | None = None,
+def _uncached_sequence(ids: list[int], access: PrefixAccess, capture: tuple[int, int] | None = None,
                        rope_length: int | None = None, logprobs: tuple[int, int] = (0, 0)) -> Sequence:
     """The tokens the cache did not hold, fed the cached prefix and keeping the ticket's blocks;
     logprobs: (positions, top k) of a logprob span over the prompt's last positions but one
     (cached ones read their hidden states from the cache)."""
-    p = ticket.cached_tokens if ticket is not None else 0
     rows = logprobs[0]
-    return Sequence(torch.tensor(ids[p:], dtype=torch.long), prefix=ticket.source if ticket else None,
-                    sink=ticket.sink if ticket else None, capture=capture, rope_length=rope_length,
+    return Sequence(torch.tensor(ids[access.cached_tokens:], dtype=torch.long), prefix=access.source,
+                    sink=access.sink, capture=capture, rope_length=rope_length,
                     logprob_rows=rows, logprob_top_k=logprobs[1],
                     logprob_targets=torch.tensor(ids[len(ids) - rows :], dtype=torch.long) if rows else None)

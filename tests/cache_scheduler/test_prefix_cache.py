@@ -328,13 +328,13 @@ def keys(name: str, n: int) -> list[bytes]:
 def test_index_begin_reserves_inside_the_keep_boundary_and_commit_makes_it_matchable():
     idx = PrefixIndex(tier1_slots=8, block_size=4)
     hashes = keys("p", 4)  # an 18-token prompt: 4 full blocks and 2 tokens
-    ticket, moves = idx.begin(hashes, 18, 10)  # keep 10 tokens: its 2 whole blocks
+    ticket, moves = idx.begin(hashes, 18, 2)  # keep 2 blocks (cache_prefix_len 10: its 2 whole blocks)
     assert moves == [] and ticket.cached_tokens == 0 and ticket.matched == []
     assert [b.hash for b in ticket.new] == hashes[:2] and all(b.refs == 1 and not b.ready for b in ticket.new)
     assert idx.match_length(hashes) == 0  # reserved is not cached yet
     idx.commit(ticket)
     assert idx.match_length(hashes) == 2 and all(b.refs == 0 for b in idx.blocks.values())
-    again, _ = idx.begin(hashes, 18, 18)  # a hit on 2 blocks; the rest of the prompt kept this time
+    again, _ = idx.begin(hashes, 18, 4)  # a hit on 2 blocks; the rest of the prompt kept this time
     assert again.cached_tokens == 8 and [b.hash for b in again.matched] == hashes[:2]
     assert [b.hash for b in again.new] == hashes[2:] and all(b.refs == 1 for b in again.matched)
     idx.commit(again)
@@ -345,8 +345,8 @@ def test_index_begin_reserves_inside_the_keep_boundary_and_commit_makes_it_match
 def test_index_begin_on_a_fully_cached_prompt_computes_its_last_token():
     idx = PrefixIndex(tier1_slots=4, block_size=4)
     hashes = keys("f", 2)
-    idx.commit(idx.begin(hashes, 8, 8)[0])
-    ticket, _ = idx.begin(hashes, 8, 8)
+    idx.commit(idx.begin(hashes, 8, 2)[0])
+    ticket, _ = idx.begin(hashes, 8, 2)
     assert ticket.cached_tokens == 7 and len(ticket.matched) == 2 and ticket.new == []
     idx.commit(ticket)
     assert idx.stats.hit_tokens == 7 and idx.stats.miss_tokens == 8 + 1
@@ -355,47 +355,40 @@ def test_index_begin_on_a_fully_cached_prompt_computes_its_last_token():
 def test_index_abort_leaves_nothing_behind():
     idx = PrefixIndex(tier1_slots=4, block_size=4)
     cached = keys("a", 2)
-    idx.commit(idx.begin(cached, 8, 8)[0])
-    ticket, _ = idx.begin(cached + keys("b", 2), 17, 16)  # 2 cached blocks pinned, 2 new reserved
+    idx.commit(idx.begin(cached, 8, 2)[0])
+    ticket, _ = idx.begin(cached + keys("b", 2), 17, 4)  # 2 cached blocks pinned, 2 new reserved
     assert len(ticket.matched) == 2 and len(ticket.new) == 2 and idx.used_slots(1) == 4
     idx.abort(ticket)
     assert set(idx.blocks) == set(cached) and idx.used_slots(1) == 2
     assert all(b.refs == 0 and b.ready for b in idx.blocks.values())
     assert idx.stats.blocks_stored == 2  # the aborted blocks were never stored
     empty = PrefixIndex(tier1_slots=4, block_size=4)
-    empty.abort(empty.begin(keys("c", 3), 12, 12)[0])
+    empty.abort(empty.begin(keys("c", 3), 12, 3)[0])
     assert empty.blocks == {} and empty.used_slots(1) == 0
 
 
 def test_index_pins_protect_a_running_request_from_eviction():
     idx = PrefixIndex(tier1_slots=3, block_size=4)
     a = keys("a", 2)
-    idx.commit(idx.begin(a, 8, 8)[0])
-    running, _ = idx.begin(a + keys("x", 1), 12, 0)  # a is in use, nothing new kept
-    other, _ = idx.begin(keys("b", 3), 12, 12)  # wants 3 blocks: only the free one, a's stay
+    idx.commit(idx.begin(a, 8, 2)[0])
+    # the scheduler begins a step's members one by one: the one picked first holds its pins
+    running, moves = idx.begin(a + keys("x", 1), 12, 0)  # a is in use, nothing new kept
+    other, more = idx.begin(keys("b", 3), 12, 3)  # wants 3 blocks: only the free one, a's stay
+    assert running.cached_tokens == 8 and moves == more == [] and idx.stats.lookups == 3
     assert [b.hash for b in other.new] == [b"b1"] and idx.stats.overflow_blocks == 2 and idx.stats.blocks_evicted == 0
     assert set(a) <= set(idx.blocks)
     idx.commit(other)
     idx.commit(running)
-    later, _ = idx.begin(keys("c", 2), 8, 8)  # a unpinned now: LRU leaves make room
+    later, _ = idx.begin(keys("c", 2), 8, 2)  # a unpinned now: LRU leaves make room
     assert len(later.new) == 2 and idx.stats.blocks_evicted == 2
     idx.commit(later)
-
-
-def test_index_begin_many_pins_every_member_before_reserving():
-    idx = PrefixIndex(tier1_slots=3, block_size=4)
-    a = keys("a", 2)
-    idx.commit(idx.begin(a, 8, 8)[0])
-    (first, second), moves = idx.begin_many([(a + keys("y", 1), 12, 0), (keys("b", 3), 12, 12)])
-    assert first.cached_tokens == 8 and len(second.new) == 1 and set(a) <= set(idx.blocks) and moves == []
-    assert idx.stats.lookups == 3
 
 
 def test_index_begin_restores_second_tier_blocks_and_returns_the_moves():
     idx = PrefixIndex(tier1_slots=2, tier2_slots=2, block_size=4)
     a = keys("a", 2)
-    idx.commit(idx.begin(a, 8, 8)[0])
-    idx.commit(idx.begin(keys("b", 2), 8, 8)[0])  # a's blocks offloaded to tier 2
+    idx.commit(idx.begin(a, 8, 2)[0])
+    idx.commit(idx.begin(keys("b", 2), 8, 2)[0])  # a's blocks offloaded to tier 2
     assert all(idx.blocks[h].tier == 2 for h in a)
     ticket, moves = idx.begin(a + keys("z", 1), 12, 0)
     assert ticket.cached_tokens == 8 and all(b.tier == 1 for b in ticket.matched)
@@ -407,7 +400,7 @@ def test_index_begin_restores_second_tier_blocks_and_returns_the_moves():
 
 def test_index_begin_needs_the_block_size():
     with pytest.raises(ValueError, match="block_size"):
-        PrefixIndex(tier1_slots=2).begin([b"x"], 4, 4)
+        PrefixIndex(tier1_slots=2).begin([b"x"], 4, 1)
 
 
 def test_longrope_regimes_never_share_cached_blocks(family_folders):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from prefillonly import DeadlineExceededError, Engine, EngineClosedError, EngineConfig, OverloadedError
-from prefillonly.cache.index import IndexTicket
+from prefillonly.cache.index import IndexTicket, usable_cached_tokens
 from prefillonly.scheduler import JctEstimator, Scheduler, WaitingRequest
 
 
@@ -45,7 +45,7 @@ class UserPrefix:
         return self.cached.get(req.user, 0)
 
     def begin(self, req):
-        return IndexTicket(cached_tokens=min(self.cached_tokens(req), req.cache_tokens - 1), matched=[], new=[]), []
+        return IndexTicket(cached_tokens=usable_cached_tokens(self.cached_tokens(req), req.cache_tokens), matched=[], new=[]), []
 
     def commit(self, ticket):
         pass

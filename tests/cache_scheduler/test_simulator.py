@@ -68,8 +68,8 @@ def test_synthetic_keys_give_the_same_simulation_as_real_block_hashes():
     scale = wl.PostRecScale(users=4, posts_per_user=6, profile_mean=700)
     trace = wl.generate_post_rec(scale, seed=2)
     real, synth = sim.trace_workload(trace, 64), sim.post_rec_workload(scale, seed=2, block_size=64)
-    assert [(r.request_id, r.prompt_tokens, r.keep_len, len(r.block_keys)) for r in real.requests] == \
-           [(r.request_id, r.prompt_tokens, r.keep_len, len(r.block_keys)) for r in synth.requests]
+    assert [(r.request_id, r.prompt_tokens, r.cache_prefix_len, len(r.block_keys)) for r in real.requests] == \
+           [(r.request_id, r.prompt_tokens, r.cache_prefix_len, len(r.block_keys)) for r in synth.requests]
     cost = sim.gpu_cost_model()
     blocks = 20  # tight: evictions happen
     for policy in sim.POLICIES:
@@ -443,9 +443,10 @@ def test_sim_engine_caches_exactly_as_the_engines_prefix_cache():
         clock.now = engine.start_next()
         [record] = engine.finish()
         simulated.append(record.cached)
-        ticket = cache.begin(r.block_keys, r.prompt_tokens, r.keep_len)
-        real.append(ticket.cached_tokens)
-        cache.commit(ticket)
+        ticket, moves = cache.index.begin(r.block_keys, r.prompt_tokens, r.kept_blocks(work.block_size))  # the engine's path
+        cache.execute(moves)
+        real.append(cache.access(ticket).cached_tokens)
+        cache.index.commit(ticket)
     assert simulated == real and sum(real) > 0
     assert vars(engine.index.stats) == vars(cache.stats)
     assert cache.stats.blocks_evicted > 0 and cache.stats.overflow_blocks > 0 and cache.stats.hit_tokens == sum(real)

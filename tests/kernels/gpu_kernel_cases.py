@@ -319,6 +319,15 @@ def test_executor_triton_equals_torch_path(folders):
     assert max_abs(fast, slow) <= 0.05
 
 
+def _begin(cache: PrefixCache, ids: torch.Tensor, kept_blocks: int):
+    """A prompt's cache ticket as the engine begins one (the index pins and reserves, the cache
+    executes the moves) and the executor's view of it (PrefixCache.access); commit with
+    cache.index.commit(ticket)."""
+    ticket, moves = cache.index.begin(cache.hashes(ids.tolist(), None), len(ids), kept_blocks)
+    cache.execute(moves)
+    return ticket, cache.access(ticket)
+
+
 def test_warm_requests_read_the_pool_in_place_batched(folders):
     """Prefixes cached in a real PrefixCache: a batch of warm requests whose attention reads the
     pool's blocks in place (no load) equals each prompt computed whole, and so does a request
@@ -329,18 +338,18 @@ def test_warm_requests_read_the_pool_in_place_batched(folders):
     cache = PrefixCache(spec, DTYPES[-1], DEVICE, block_size=16, budget_bytes=64 << 20)
     prompts = [_ids(gen, spec.vocab_size, n) for n in (50, 33, 70)]
     for ids in prompts:  # cold: computes and keeps every whole block
-        t = cache.begin(cache.hashes(ids.tolist(), None), len(ids), len(ids))
-        ex.forward(ids, None, prefix=t.source, sink=t.sink)
-        cache.commit(t)
+        t, view = _begin(cache, ids, len(ids) // cache.block_size)
+        ex.forward(ids, None, prefix=view.source, sink=view.sink)
+        cache.index.commit(t)
     loads = []
     seqs, wholes, tickets = [], [], []
     for ids in prompts:
         longer = torch.cat([ids, _ids(gen, spec.vocab_size, 11)])
-        t = cache.begin(cache.hashes(longer.tolist(), None), len(longer), 0)
-        assert t.cached_tokens == (len(ids) // 16) * 16 and t.source.paged() is not None
-        t.source.load = lambda *a, _l=loads: _l.append(a)  # must not be called: read in place
+        t, view = _begin(cache, longer, 0)
+        assert view.cached_tokens == (len(ids) // 16) * 16 and view.source.paged() is not None
+        view.source.load = lambda *a, _l=loads: _l.append(a)  # must not be called: read in place
         tickets.append(t)
-        seqs.append(Sequence(longer[t.cached_tokens :], prefix=t.source))
+        seqs.append(Sequence(longer[view.cached_tokens :], prefix=view.source))
         wholes.append(ex.forward(longer, None).logits.double().log_softmax(-1))
     shared = _ids(gen, spec.vocab_size, 20)
     captured = ex.forward(shared, None, capture=(0, 20)).captured
@@ -352,4 +361,4 @@ def test_warm_requests_read_the_pool_in_place_batched(folders):
     for i, whole in enumerate(wholes):
         assert max_abs(out[i], whole) <= 0.05, i
     for t in tickets:
-        cache.commit(t)
+        cache.index.commit(t)
