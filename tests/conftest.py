@@ -14,7 +14,8 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 # the layers: each test file lives in the folder of its layer (a file elsewhere fails the collection)
 LAYERS = ("engine", "kernels", "cache_scheduler", "serving", "frontend", "fleet", "house")
-# no server, no long forward: ~1.5 min together on 2 cores (measured 2026-12-04 on a 2-core Xeon)
+# no server, no long forward (a test of theirs that takes more than a few seconds is marked heavy
+# and left to the full suite): under a minute together on 2 cores
 FAST = {"test_request", "test_scheduler", "test_dependency_groups", "test_simulator", "test_config", "test_limits",
         "test_protocol", "test_inflight", "test_import_graph", "test_docs_match_tree", "test_envoy_hashing", "test_workloads",
         "test_host_table", "test_model_spec", "test_perf_cli", "test_frontend_presets", "test_batching", "test_prefix_cache",
@@ -25,6 +26,8 @@ def pytest_configure(config):
     for layer in LAYERS:
         config.addinivalue_line("markers", f"{layer}: tests of the {layer} layer (the files in tests/{layer}/)")
     config.addinivalue_line("markers", "fast: the quick tier (tests/conftest.py FAST): bash scripts/test.sh -m fast")
+    config.addinivalue_line("markers", "heavy: a test of a FAST file that takes more than a few seconds: the full suite "
+                                       "runs it, the fast tier leaves it out")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -33,7 +36,7 @@ def pytest_collection_modifyitems(config, items):
         if layer not in LAYERS:
             raise pytest.UsageError(f"{item.path.name} is in no layer: move it into one of tests/{{{','.join(LAYERS)}}}/")
         item.add_marker(layer)
-        if item.path.stem in FAST:
+        if item.path.stem in FAST and item.get_closest_marker("heavy") is None:
             item.add_marker("fast")
 
 # name -> (config class name, config kwargs). Small but with every feature switched on:

@@ -351,6 +351,7 @@ def test_least_request_takes_the_less_loaded_of_two():
         sim.Router("sticky", 2, np.random.default_rng(0))
 
 
+@pytest.mark.heavy
 def test_fleet_routing_affinity_keeps_the_hits_random_loses_them():
     out = sim.run_fleet(engines=8, users=200, posts_per_user=4, cache_gib=4, load=0.8, block_size=256, profile_mean=4000)
     by = {r["routing"]: r for r in out["runs"]}

@@ -110,6 +110,7 @@ def default_model_float64(default_model_path):
     return prompts, [ex64.forward(s.token_ids, 512, prefix=s.prefix).logits.log_softmax(-1) for s in _sequences(ex64, prompts)]
 
 
+@pytest.mark.heavy  # the 135M model in float64 and fp32 on long prompts: ~40 s of the fast tier otherwise
 @pytest.mark.parametrize("backend", ["cpu_flash", "sdpa"])
 def test_batch_equals_single_forwards_default_model(default_model_path, default_model_float64, backend):
     """The real model packed in one step vs each prompt alone, both against its float64 forward.

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from perf import envoy_hashing as eh
 
 
@@ -18,6 +20,7 @@ def test_the_generator_and_hash_are_the_ones_envoy_uses():
     assert eh.request_hash("") == 0xEF46DB3751D8E999  # XXH64 of nothing, seed 0
 
 
+@pytest.mark.heavy
 def test_maglev_gives_every_host_a_near_equal_share_whatever_the_host_order():
     rng = random.Random(3)
     for n in (1, 2, 3, 7, 64):
