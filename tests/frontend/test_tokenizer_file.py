@@ -3,13 +3,16 @@ library) against transformers' AutoTokenizer, which the engine tokenizes with: o
 model the whole pipeline, the ids of fresh random texts and of every preset's rendering, and every
 token's text are the same; so are they under the tokenizer_config.json settings transformers
 applies on top of the file; a tokenizer whose class transformers rebuilds is refused by name;
-and the context length is ModelSpec's without transformers."""
+the context length is ModelSpec's without transformers; and the frontend builds without torch."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -277,3 +280,17 @@ def test_context_length_refusals(tmp_path):
     with pytest.raises(ConfigError, match="unsupported model architecture"):
         context_length_of(str(tmp_path))
 
+
+def test_the_frontend_builds_without_torch_or_transformers(default_model_path):
+    """build_scoring on the repository's model_repository, in a fresh interpreter (it needs no
+    running Triton): the tokenizer, the context length and the presets load, and neither torch
+    nor transformers is imported."""
+    script = ("import sys\n"
+              "from prefillonly.frontend.app import build_scoring\n"
+              f"scoring = build_scoring({str(REPO)!r}, '127.0.0.1:1')\n"
+              "assert sorted(scoring.presets) == ['plain', 'qwen3-reranker', 'yes-no-judge'], scoring.presets\n"
+              "assert scoring.tokens.max_input_len == 8192 and scoring.eos_id is not None\n"
+              "loaded = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+              "sys.exit(f'build_scoring loaded {loaded}' if loaded else 0)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=os.environ)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
