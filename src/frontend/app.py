@@ -5,9 +5,10 @@
 The engine model's config.pbtxt says which checkpoint is served (its `model` parameter; empty:
 the embedded default) and the request limits; the frontend reads them (ServedSettings, by
 EngineConfig's rules for string settings but without building one, which would load torch),
-loads that checkpoint's tokenizer (so its token ids are the engine's) and `scoring_presets.json`
+loads that checkpoint's tokenizer (its tokenizer.json by the `tokenizers` library, giving
+transformers' ids without loading torch: contract/tokenizer_file.py) and `scoring_presets.json`
 beside config.pbtxt. A preset whose labels are not single tokens stops the start with a
-ConfigError naming it.
+ConfigError naming it, as does a tokenizer whose ids the file alone cannot promise.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..contract.limits import DEFAULT_MAX_ITEMS, DEFAULT_MAX_WAITING, default_ma
 from ..contract.paths import default_cache_dir
 from ..serving.host.model_settings import engine_settings
 from ..contract.setting_strings import is_unset, optional_int
+from ..contract.tokenizer_file import load_tokenizer
 from ..contract.wire import MODEL
 from .presets import PRESETS_FILE, TemplateTokenizer, load_presets
 from .scoring import DEFAULT_MAX_PROMPTS_PER_CALL, Limits, Scoring
@@ -68,19 +70,14 @@ def build_scoring(model_repository: str | Path, triton_grpc: str, model_name: st
     """The scoring frontend over the engine model of `model_repository`. max_prompts_per_call: the
     most prompts one completions (or item_first score) call may carry; each is its own engine
     request, so it is capped at the engine's max_waiting (the queue must take the call whole)."""
-    from transformers import AutoTokenizer
-
     from ..model.default_model import ensure_default_model
-    from ..model.spec import ModelSpec
+    from ..model.spec import context_length_of
 
     model_dir = Path(model_repository) / model_name
     settings = ServedSettings.read(model_dir)
     checkpoint = settings.model or ensure_default_model(settings.cache_dir)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    except Exception as e:
-        raise ConfigError(f"the scoring frontend needs the model's tokenizer: cannot load it from {checkpoint}: {e}") from e
-    max_input_len = settings.max_input_len or ModelSpec.from_folder(checkpoint).context_length
+    tokenizer = load_tokenizer(checkpoint)
+    max_input_len = settings.max_input_len or context_length_of(checkpoint)
     tokens = TemplateTokenizer(tokenizer, max_input_len)
     presets = load_presets(presets_path or model_dir / PRESETS_FILE, tokens)
     if max_prompts_per_call > settings.max_waiting:

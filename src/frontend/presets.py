@@ -71,7 +71,8 @@ class ScoringPreset:
 
 
 class TemplateTokenizer:
-    """The preset rendering over one tokenizer (a transformers tokenizer)."""
+    """The preset rendering over one tokenizer: the frontend's (contract/tokenizer_file.py), or a
+    transformers one (the same methods: encode, a batch call, decode, eos_token_id)."""
 
     def __init__(self, tokenizer, max_input_len: int):
         self.tokenizer = tokenizer

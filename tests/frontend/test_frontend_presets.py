@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from prefillonly.contract.errors import ConfigError, InvalidRequestError
+from prefillonly.contract.tokenizer_file import load_tokenizer
 from prefillonly.frontend.app import ServedSettings
 from prefillonly.frontend.presets import PRESETS_FILE, TemplateTokenizer, load_presets
 
@@ -32,9 +33,8 @@ def published_qwen3_ids(tokenizer, query: str, doc: str, instruction: str | None
 
 @pytest.fixture(scope="module")
 def tokens(default_model_path):
-    from transformers import AutoTokenizer
-
-    return TemplateTokenizer(AutoTokenizer.from_pretrained(default_model_path), max_input_len=512)
+    """The frontend's tokenizer (AutoTokenizer's ids: tests/frontend/test_tokenizer_file.py)."""
+    return TemplateTokenizer(load_tokenizer(default_model_path), max_input_len=512)
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,10 @@ PACKAGE = "prefillonly"
 # where the engine does not) are read by the simulator, the Triton model's adapter and the serve
 # supervisor without loading a model; contract/ (the rules every process shares: read by both Triton
 # models, the front door, the frontend, the picker and the clients), the request kinds (tasks/: the
-# protocol reads them; their result builders load torch only when they run), and the whole frontend: it reads the engine's settings
-# without building EngineConfig (only its tokenizer, loaded at start, is transformers').
+# protocol reads them; their result builders load torch only when they run), and the whole
+# frontend: it reads the engine's settings without building EngineConfig, and its tokenizer is
+# tokenizer.json without transformers (tests/frontend/test_tokenizer_file.py builds the whole
+# frontend in a fresh interpreter).
 TENSOR_FREE = ("prefillonly.scheduler", "prefillonly.cache.index", "prefillonly.hardware",
                *sorted(f"prefillonly.contract.{p.stem}" for p in SRC.glob("contract/*.py") if p.stem != "__init__"),
                *sorted(f"prefillonly.tasks.{p.stem}" for p in SRC.glob("tasks/*.py") if p.stem != "__init__"),
