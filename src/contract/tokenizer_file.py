@@ -10,7 +10,8 @@ It must give AutoTokenizer's ids and token texts (the engine's), so it does what
   Phi-3 config). A model-specific class (Qwen2Tokenizer, LlamaTokenizer, GemmaTokenizer, ...)
   keeps the file's vocabulary, merges and post-processor but rebuilds the normalizer,
   pre-tokenizer and decoder from its own code, so the ids can differ from the file's: refused,
-  naming the file (ConfigError), as is a tokenizer with code of its own (auto_map).
+  naming the file (NotAsWritten, a ConfigError), as is a tokenizer with code of its own (auto_map);
+  the frontend then loads transformers' AutoTokenizer for that checkpoint instead (and so torch).
 - BOS / EOS: tokenizer_config.json's add_bos_token / add_eos_token are dropped when there is a
   tokenizer.json (tokenization_utils_base._from_pretrained): the file's post-processor decides.
 - special tokens named in tokenizer_config.json (or special_tokens_map.json) are added as
@@ -44,6 +45,11 @@ KNOWN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "
 OWN_CLASS_MODEL_TYPES = ("qwen2",)
 
 
+class NotAsWritten(ConfigError):
+    """tokenizer.json alone would not give transformers' ids for this checkpoint (no such file, a
+    class transformers rebuilds, code of its own, ...): the frontend then loads AutoTokenizer."""
+
+
 class FileTokenizer:
     """What the frontend asks of a tokenizer, with transformers' signatures: encode(text,
     add_special_tokens), a batch call giving {"input_ids": [...]}, decode(ids,
@@ -73,7 +79,7 @@ def load_tokenizer(folder: str | Path) -> FileTokenizer:
     folder = Path(folder)
     path = folder / TOKENIZER_FILE
     if not path.is_file():
-        raise ConfigError(f"the model folder {folder} has no {TOKENIZER_FILE}: the scoring frontend tokenizes with "
+        raise NotAsWritten(f"the model folder {folder} has no {TOKENIZER_FILE}: the scoring frontend tokenizes with "
                           "it (a tokenizer of sentencepiece or vocab files only is not read)")
     settings = _read_json(folder / CONFIG_FILE)
     _check_class(folder, settings, _read_json(folder / MODEL_CONFIG))
@@ -108,21 +114,21 @@ def _read_json(path: Path) -> dict:
 def _check_class(folder: Path, settings: dict, model_config: dict) -> None:
     """ConfigError unless AutoTokenizer would run tokenizer.json as written (the module's docstring)."""
     if settings.get("auto_map"):
-        raise ConfigError(f"{folder / CONFIG_FILE}: the tokenizer has code of its own (auto_map); the scoring frontend "
+        raise NotAsWritten(f"{folder / CONFIG_FILE}: the tokenizer has code of its own (auto_map); the scoring frontend "
                           f"runs {TOKENIZER_FILE} alone and cannot promise its ids")
     model_type = model_config.get("model_type")
     named = settings.get("tokenizer_class") or model_config.get("tokenizer_class")
     source = folder / (CONFIG_FILE if settings.get("tokenizer_class") else MODEL_CONFIG)
     if model_type not in KNOWN_MODEL_TYPES:
-        raise ConfigError(f"{folder / MODEL_CONFIG}: model_type {model_type!r} is not one of {', '.join(KNOWN_MODEL_TYPES)}; "
+        raise NotAsWritten(f"{folder / MODEL_CONFIG}: model_type {model_type!r} is not one of {', '.join(KNOWN_MODEL_TYPES)}; "
                           "which tokenizer class transformers picks for it is not known to the scoring frontend")
     if model_type == "mistral" and (folder / "tekken.json").is_file() and importlib.util.find_spec("mistral_common"):
-        raise ConfigError(f"{folder / 'tekken.json'}: transformers tokenizes this Mistral model with mistral-common, not "
+        raise NotAsWritten(f"{folder / 'tekken.json'}: transformers tokenizes this Mistral model with mistral-common, not "
                           f"{TOKENIZER_FILE}; the scoring frontend cannot promise its ids")
     if model_type in BACKEND_MODEL_TYPES or (named in AS_WRITTEN and model_type not in OWN_CLASS_MODEL_TYPES):
         return
     chosen = named if named and model_type not in OWN_CLASS_MODEL_TYPES else f"{model_type}'s own class"
-    raise ConfigError(
+    raise NotAsWritten(
         f"{source}: tokenizer_class {named!r} with model_type {model_type!r}: transformers loads it as {chosen}, which "
         f"rebuilds the normalizer, pre-tokenizer and decoder from its own code rather than running {TOKENIZER_FILE}, so "
         f"the scoring frontend (which runs {TOKENIZER_FILE} without transformers) cannot promise the same token ids; it "

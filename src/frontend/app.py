@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..contract.errors import ConfigError
-from ..contract.limits import DEFAULT_MAX_ITEMS, DEFAULT_MAX_WAITING, default_max_prompts
+from ..contract.limits import DEFAULT_MAX_ITEMS, DEFAULT_MAX_WAITING, default_max_prompts, resolve_max_input_len
 from ..contract.paths import default_cache_dir
 from ..serving.host.model_settings import engine_settings
 from ..contract.setting_strings import is_unset, optional_int
-from ..contract.tokenizer_file import load_tokenizer
+from ..contract.tokenizer_file import NotAsWritten, load_tokenizer
 from ..contract.wire import MODEL
 from .presets import PRESETS_FILE, TemplateTokenizer, load_presets
 from .scoring import DEFAULT_MAX_PROMPTS_PER_CALL, Limits, Scoring
@@ -76,8 +76,8 @@ def build_scoring(model_repository: str | Path, triton_grpc: str, model_name: st
     model_dir = Path(model_repository) / model_name
     settings = ServedSettings.read(model_dir)
     checkpoint = settings.model or ensure_default_model(settings.cache_dir)
-    tokenizer = load_tokenizer(checkpoint)
-    max_input_len = settings.max_input_len or context_length_of(checkpoint)
+    tokenizer = _tokenizer(checkpoint)
+    max_input_len = resolve_max_input_len(settings.max_input_len, context_length_of(checkpoint))
     tokens = TemplateTokenizer(tokenizer, max_input_len)
     presets = load_presets(presets_path or model_dir / PRESETS_FILE, tokens)
     if max_prompts_per_call > settings.max_waiting:
@@ -85,6 +85,22 @@ def build_scoring(model_repository: str | Path, triton_grpc: str, model_name: st
                     settings.max_waiting)
     limits = Limits(max_documents=settings.max_items, max_prompts=min(max_prompts_per_call, settings.max_waiting))
     return Scoring(tokens, presets, TritonUpstream(triton_grpc, model_name), base_model=model_name, limits=limits)
+
+
+def _tokenizer(checkpoint):
+    """The checkpoint's tokenizer.json without transformers (no torch in this process), or, where
+    that alone would not give transformers' ids (Qwen's and Gemma's own classes, code of its own,
+    no tokenizer.json), transformers' AutoTokenizer: the engine's ids, at torch's start-up cost."""
+    try:
+        return load_tokenizer(checkpoint)
+    except NotAsWritten as e:
+        log.warning("%s; loading transformers' AutoTokenizer instead (this process then loads torch)", e)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(checkpoint)
+    except Exception as e:
+        raise ConfigError(f"the scoring frontend needs the model's tokenizer: cannot load it from {checkpoint}: {e}") from e
 
 
 def main(argv: list[str] | None = None) -> int:

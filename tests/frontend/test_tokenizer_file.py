@@ -294,3 +294,23 @@ def test_the_frontend_builds_without_torch_or_transformers(default_model_path):
               "sys.exit(f'build_scoring loaded {loaded}' if loaded else 0)\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=os.environ)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_the_frontend_falls_back_to_autotokenizer_where_the_file_alone_would_differ(small_tokenizer_file, default_model_path,
+                                                                                  tmp_path):
+    """A checkpoint whose tokenizer transformers rebuilds from its own class (Qwen's) is not refused
+    at start: the frontend loads AutoTokenizer for it (ids equal by construction); the default
+    model keeps the file tokenizer (no torch)."""
+    from transformers import AutoTokenizer
+
+    from prefillonly.contract.tokenizer_file import FileTokenizer, NotAsWritten
+    from prefillonly.frontend.app import _tokenizer
+
+    rebuilt = _small_checkpoint(tmp_path / "qwen", small_tokenizer_file, "qwen2", "Qwen2Tokenizer")
+    with pytest.raises(NotAsWritten):
+        load_tokenizer(rebuilt)
+    tok = _tokenizer(rebuilt)
+    assert not isinstance(tok, FileTokenizer)
+    text = "Hello wörld, 1234 and  spaces\n\ttabs"
+    assert tok.encode(text) == AutoTokenizer.from_pretrained(rebuilt).encode(text)
+    assert isinstance(_tokenizer(default_model_path), FileTokenizer)
