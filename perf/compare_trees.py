@@ -10,7 +10,7 @@ per revision whose .pth puts that worktree's src/ ahead of this environment's si
 that tritonserver's Python stub (which ignores PYTHONPATH) imports that revision's code too. Each
 tree compiles the CPU kernels into its own torch extensions directory. The commands each tree
 runs are perf/eval.py's: `offline --reps 1 --skip vllm,transformers` and `load --skip vllm --qps Q
---factors 1` (one level at the same rate for both). Writes --out (JSON: every run's wall time and
+--factors 1` (one level at the same rate for both), with --dtype. Writes --out (JSON: every run's wall time and
 the answer comparison) and prints a Markdown table for perf/RESULTS.md.
 """
 
@@ -63,7 +63,9 @@ def run_eval(python: Path, tree: Path, args: list[str], ext_dir: Path, timeout_s
     t0 = time.perf_counter()
     subprocess.run([str(python), "-m", "perf.eval", *args], cwd=tree, env=env, check=True, timeout=timeout_s)
     bu.log(f"  {tree.name}: perf.eval {' '.join(args)}: {time.perf_counter() - t0:.0f} s")
-    return json.loads((tree / "perf" / "results" / "eval" / f"{args[0]}.json").read_text())
+    dtype = args[args.index("--dtype") + 1]
+    folder = "eval" if dtype == "bfloat16" else f"eval-{dtype}"  # perf/eval.py's results_dir
+    return json.loads((tree / "perf" / "results" / folder / f"{args[0]}.json").read_text())
 
 
 def offline_answers(data: dict) -> dict:
@@ -92,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--after", default="HEAD", help="the revision after it (default HEAD)")
     p.add_argument("--reps", type=int, default=2, help="offline runs per tree, interleaved (default 2)")
     p.add_argument("--qps", type=float, default=1.5, help="the load level both trees are offered (req/s)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="both trees' dtype (default float32: what an AVX2-only host computes natively)")
     p.add_argument("--work", default="/tmp/prefillonly-compare-trees", help="where the worktrees and venvs go")
     p.add_argument("--out", default=str(bu.PERF_DIR / "results" / "compare_trees.json"))
     p.add_argument("--timeout", type=float, default=3600, help="seconds per perf.eval command")
@@ -105,12 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(args.reps):
         for name in ("before", "after"):
             bu.log(f"offline rep {rep + 1}/{args.reps}, {name}")
-            runs[name]["offline"].append(run_eval(pythons[name], trees[name], ["offline", "--reps", "1", "--skip", "vllm,transformers"],
+            runs[name]["offline"].append(run_eval(pythons[name], trees[name], ["offline", "--reps", "1", "--skip", "vllm,transformers",
+                                                                                   "--dtype", args.dtype],
                                                   ext[name], args.timeout))
     for name in ("before", "after"):
         bu.log(f"load at {args.qps} req/s, {name}")
         runs[name]["load"].append(run_eval(pythons[name], trees[name], ["load", "--skip", "vllm", "--qps", str(args.qps),
-                                                                          "--factors", "1"], ext[name], args.timeout))
+                                                                          "--factors", "1", "--dtype", args.dtype], ext[name], args.timeout))
     result = summarize(args, trees, runs)
     bu.save_json(Path(args.out), result)
     print(table(result))
@@ -127,7 +132,7 @@ def summarize(args, trees: dict, runs: dict) -> dict:
     offline = [compare(before_offline, offline_answers(d)) for name in ("before", "after") for d in runs[name]["offline"]]
     load = compare(load_answers(runs["before"]["load"][0]), load_answers(runs["after"]["load"][0]))
     return {"what": "compare_trees", "command": bu.command_line(), "date": bu.now_iso(), "machine": bu.machine_info(2),
-            "revisions": revs, "qps": args.qps, "offline_wall_s": walls, "load_summaries": loads,
+            "revisions": revs, "qps": args.qps, "dtype": args.dtype, "offline_wall_s": walls, "load_summaries": loads,
             "offline_answers_vs_first_before_run": offline, "load_answers_after_vs_before": load}
 
 
