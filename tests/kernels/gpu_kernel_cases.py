@@ -271,7 +271,7 @@ def test_backend_resolution():
     assert resolve_backend("triton", DEVICE) == "triton"
     if DEVICE.type == "cuda":
         assert resolve_backend("auto", DEVICE) == "triton"
-    path = lambda dtype, head_dim: KernelBackend(DEVICE, dtype, head_dim, "triton").attention_path  # noqa: E731
+    path = lambda dtype, head_dim: KernelBackend(DEVICE, dtype, head_dim, "triton").attention_path.name  # noqa: E731
     assert path(torch.float16, 64) == "triton"
     assert path(torch.float32, 64) == "torch"  # float32 runs on the torch ops
     assert path(torch.float16, 24) == "torch"  # not a power of two: SDPA
