@@ -20,6 +20,7 @@ the two can never disagree about which path a forward takes; neither tests a nam
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -45,7 +46,7 @@ class KernelBackend:
     linear: str = "aten"  # a concrete linear backend (not "auto")
     score_head: str = ""  # a score head (kernels/score_head.py); "": the default for the dtype (score_heads.choose)
     attention_path: AttentionPath = field(init=False, compare=False)
-    gemm: object = field(init=False, compare=False)  # (out, x, w, b) -> y: kernels.linear.gemm(linear)
+    gemm: Callable = field(init=False, compare=False)  # (out, x, w, b) -> y: kernels.linear.gemm(linear)
     ops: TorchOps = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
