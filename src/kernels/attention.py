@@ -1,9 +1,11 @@
 """Causal attention over a whole sequence (hybrid prefill never chunks attention).
 
-The executor attends through the path its KernelBackend (kernels/backend.py) fixed at start:
-the compiled kernel (output over Q), the Triton kernel's batch launch (gpu_attention.BatchAttention:
-every sequence of the step at once), or the torch paths, `causal_attention` (a new output tensor)
-or `causal_attention_inplace` (written over Q: the memory-saving path, chosen per step). Queries may be a suffix of
+This module holds the kernels and the choice among the configured backends; which kernel runs a
+model's attention is decided once, by the attention path its KernelBackend picks
+(kernels/attention_paths.py): the compiled kernel (`cpu_flash_attention`, output over Q), the
+Triton kernel's batch launch (gpu_attention.BatchAttention: every sequence of the step at once), or
+the torch paths, `causal_attention` (a new output tensor) or `causal_attention_inplace` (written
+over Q: the memory-saving path, chosen per step). Queries may be a suffix of
 the keys (cached prefix K/V followed by fresh K/V): query i sits at key position i + (Lk - Lq)
 and sees keys 0..i + (Lk - Lq) (bottom-right-aligned causal mask).
 No S x S mask is ever built (docs/design.md §13).
@@ -13,11 +15,11 @@ Backends:
                cached-prefix suffixes in one pass, float32 / bfloat16, head_dim a multiple of 16
                up to 256; bf16 on the CPU's bf16 dot product where it has one (AVX512_BF16,
                self-checked), else float32 FMAs; it writes its output over Q (no second
-               [Hq, S, D] tensor). Calls it does not cover (other dtypes or head dims) run on sdpa.
+               [Hq, S, D] tensor). Models it does not cover (other dtypes or head dims) run on sdpa.
   "triton"     our Triton-language kernel (gpu_attention.py), CUDA (or CPU under Triton's
                interpreter): the whole batch in one launch, cached prefixes read in place from
                the prefix pool's blocks, output over Q; bfloat16 / float16, head_dim a power of
-               two 16..256. Calls it does not cover run on sdpa.
+               two 16..256. Models it does not cover run on sdpa.
   "sdpa"       torch scaled_dot_product_attention (CPU and CUDA).
   "flash_attn" flash-attn's flash_attn_func, CUDA only, when the package is importable
                (its causal mask is bottom-right aligned when Lq != Lk).
@@ -71,7 +73,7 @@ def resolve_backend(backend: str, device: torch.device, shape: AttentionShape | 
         if device.type == "cpu":
             if cpu_ext.load_attention() is None:
                 return "sdpa"
-            if shape is not None and cpu_flash_covers("cpu_flash", device, shape.dtype, shape.head_dim):
+            if shape is not None and cpu_flash_covers(device, shape.dtype, shape.head_dim):
                 return choose_cpu_backend(shape)
             return "cpu_flash"
         if device.type == "cuda" and gpu_support.runs_on(device):
@@ -112,30 +114,23 @@ def _time_backend(backend: str, shape: AttentionShape, reps: int = 3) -> float:
              (make(shape.q_heads, 256), make(shape.kv_heads, 1280), make(shape.kv_heads, 1280))]
     scale = shape.head_dim ** -0.5
     total = 0.0
+    attend = cpu_flash_attention if backend == "cpu_flash" else causal_attention  # the two candidates of choose_cpu_backend
     for q, k, v in cases:
-        causal_attention(q, k, v, scale, backend)  # first call: scratch, page faults, lazy set-up
+        attend(q, k, v, scale)  # first call: scratch, page faults, lazy set-up
         best = float("inf")
         for _ in range(reps):
             t0 = time.perf_counter()
-            causal_attention(q, k, v, scale, backend)
+            attend(q, k, v, scale)
             best = min(best, time.perf_counter() - t0)
         total += best
     return total
 
 
-def triton_covers(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether `backend` runs such attention on the Triton kernel (else it falls back to SDPA)."""
-    return backend == "triton" and gpu_support.attention_applies(device, dtype, head_dim)
-
-
-def cpu_flash_covers(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether `backend` runs such attention on the compiled CPU kernel (else it falls back to SDPA)."""
-    return (backend == "cpu_flash" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+def cpu_flash_covers(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the compiled CPU kernel takes a model's attention of this dtype and head size (asked
+    once, when its KernelBackend is built: the executor's Q/K/V always have the model's)."""
+    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and head_dim % 16 == 0 and head_dim <= 256 and cpu_ext.load_attention() is not None)
-
-
-def cpu_flash_applies(backend: str, q: torch.Tensor) -> bool:
-    return cpu_flash_covers(backend, q.device, q.dtype, q.shape[-1])
 
 
 def cpu_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor | None = None,
@@ -171,14 +166,13 @@ def _check_shapes(q, k) -> None:
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: str = "sdpa",
                      window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-    """q: [Hq, Lq, D]; k, v: [Hkv, Lk, D] with Lk >= Lq and Hq % Hkv == 0. Returns [Hq, Lq, D].
-    window > 0: a query at t sees keys (t - window, t] only; softcap > 0: soft-capped scores
-    (the compiled kernel where it applies, else the explicit banded path)."""
+    """The torch paths: q: [Hq, Lq, D]; k, v: [Hkv, Lk, D] with Lk >= Lq and Hq % Hkv == 0. Returns
+    [Hq, Lq, D]. backend: "flash_attn" runs flash-attn's kernel, any other SDPA (the compiled and
+    Triton kernels are attention paths of their own: attention_paths.py). window > 0: a query at t
+    sees keys (t - window, t] only; softcap > 0: soft-capped scores (the explicit banded path)."""
     _check_shapes(q, k)
     hq, lq, _ = q.shape
     hkv, lk, _ = k.shape
-    if cpu_flash_applies(backend, q):
-        return cpu_flash_attention(q, k, v, scale, window=window, softcap=softcap)
     if (window and window < lk) or softcap:
         return banded_attention(q, k, v, scale, window=window, softcap=softcap)
     if backend == "flash_attn":
@@ -203,9 +197,8 @@ def inplace_attention_supported(device: torch.device) -> bool:
 
 
 def causal_attention_inplace(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                             block: int = INPLACE_QUERY_BLOCK, backend: str = "sdpa", window: int = 0,
-                             softcap: float = 0.0) -> torch.Tensor:
-    """causal_attention, written over q (CPU).
+                             block: int = INPLACE_QUERY_BLOCK, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """causal_attention on SDPA, written over q (CPU).
 
     A query block's output depends only on its own queries, so it can replace them: the
     request then never holds a second [Hq, Lq, D] tensor (the attention output). The compiled
@@ -214,8 +207,6 @@ def causal_attention_inplace(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     merge), so the engine uses it there only when a prompt would not fit its budget otherwise.
     """
     _check_shapes(q, k)
-    if cpu_flash_applies(backend, q):
-        return cpu_flash_attention(q, k, v, scale, out=q, window=window, softcap=softcap)
     if (window and window < k.shape[1]) or softcap:
         return banded_attention(q, k, v, scale, window=window, softcap=softcap, out=q)
     lq = q.shape[1]

@@ -3,28 +3,38 @@
 A KernelBackend fixes, for one model's dtype, device and head size:
   attention       the attention backend (kernels/attention.py's BACKENDS, "auto" resolved: timed on
                   CPU where it is timed);
-  attention_path  what actually runs the model's attention: "triton" (the whole batch in one
-                  launch, output over Q, prefixes read from the pool in place), "cpu_flash" (the
+  attention_path  the object that runs the model's attention under it (kernels/attention_paths.py,
+                  the first of ATTENTION_PATHS that takes the model): "triton" (the whole batch in
+                  one launch, output over Q, prefixes read from the pool in place), "cpu_flash" (the
                   compiled kernel, output over Q) or "torch" (SDPA / flash-attn / the banded path);
-  linear          the GEMM backend (kernels/linear.py, "auto" timed on layer 0's weights);
+                  the executor attends with it and memory.py counts by it;
+  linear, gemm    the GEMM backend (kernels/linear.py, "auto" timed on layer 0's weights) and the
+                  one function its calls go through (the weights are packed for it at load);
   score_head      how the LM head computes the logits that become scores (kernels/score_head.py:
                   float32 from the model dtype's operands, self-checked);
   ops             the per-token op family (kernels/ops.py: compiled CPU, Triton or torch).
-The executor computes with it and the memory prediction (memory.py) counts by it, so the two can
-never disagree about which path a forward takes.
+The executor computes with it and the memory prediction (memory.py) counts by it, asking it the
+memory facts of each choice (the path's scratch, the GEMMs' and the score head's call bytes), so
+the two can never disagree about which path a forward takes; neither tests a name.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from .attention import (AttentionShape, causal_attention, causal_attention_inplace, cpu_flash_attention, cpu_flash_covers,
-                        resolve_backend, triton_covers)
-from .linear import allocates_output, resolve_linear_backend
+from .attention import AttentionShape, resolve_backend
+from .attention_paths import AttentionPath, CpuFlashAttention, TorchAttention, TritonAttention
+from .linear import allocates_output, call_bytes as linear_call_bytes, gemm, resolve_linear_backend
 from .ops import TorchOps, ops_for
 from . import score_head as score_heads
+
+# The attention paths, tried in order at construction: the first whose `build` takes the model
+# runs its attention. A new attention backend is a class of attention_paths.AttentionPath's shape
+# and its entry here; TorchAttention takes every model, so it stays last.
+ATTENTION_PATHS: tuple[type[AttentionPath], ...] = (TritonAttention, CpuFlashAttention, TorchAttention)
 
 
 @dataclass(frozen=True)
@@ -35,19 +45,16 @@ class KernelBackend:
     attention: str = "sdpa"  # a concrete attention backend (not "auto")
     linear: str = "aten"  # a concrete linear backend (not "auto")
     score_head: str = ""  # a score head (kernels/score_head.py); "": the default for the dtype (score_heads.choose)
-    attention_path: str = field(init=False)
+    attention_path: AttentionPath = field(init=False, compare=False)
+    gemm: Callable = field(init=False, compare=False)  # (out, x, w, b) -> y: kernels.linear.gemm(linear)
     ops: TorchOps = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
         device = torch.device(self.device)
         object.__setattr__(self, "device", device)
-        if triton_covers(self.attention, device, self.dtype, self.head_dim):
-            path = "triton"
-        elif cpu_flash_covers(self.attention, device, self.dtype, self.head_dim):
-            path = "cpu_flash"
-        else:
-            path = "torch"
-        object.__setattr__(self, "attention_path", path)
+        built = (p.build(self.attention, device, self.dtype, self.head_dim) for p in ATTENTION_PATHS)
+        object.__setattr__(self, "attention_path", next(p for p in built if p is not None))
+        object.__setattr__(self, "gemm", gemm(self.linear))
         object.__setattr__(self, "ops", ops_for(device, self.dtype))
         if not self.score_head:
             object.__setattr__(self, "score_head", score_heads.choose(device, self.dtype))
@@ -68,7 +75,7 @@ class KernelBackend:
     @property
     def writes_over_q(self) -> bool:
         """Whether attention's output always replaces Q (the compiled and Triton kernels: free there)."""
-        return self.attention_path != "torch"
+        return self.attention_path.writes_over_q
 
     @property
     def linear_outputs(self) -> bool:
@@ -79,21 +86,23 @@ class KernelBackend:
         """Whether the workspace needs RMSNorm's float32 scratch for a model with (or without) q/k norms."""
         return self.ops.needs_norm_scratch(qk_norm)
 
+    def linear_call_bytes(self, rows: int, out_features: int) -> int:
+        """What one projection's call over `rows` rows allocates beyond the workspace (memory.py)."""
+        return linear_call_bytes(self.linear, rows, out_features, self.dtype, self.device)
+
     def score_logits(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """[rows, vocab] float32 logits of normed rows x and the LM head w, on the score head."""
-        return score_heads.logits(self.score_head, x, w)
+        return score_heads.logits(self.score_head, x, w, self.gemm)
+
+    def score_head_bytes(self, rows: int, hidden: int, vocab: int) -> int:
+        """The tensors one score-head call over `rows` rows allocates (its float32 logits and what the
+        head adds on the way: score_head.call_bytes)."""
+        return score_heads.call_bytes(self.score_head, rows, hidden, vocab, self.dtype.itemsize)
+
+    def score_head_library_bytes(self, rows: int, vocab: int) -> int:
+        """What that call allocates inside a GEMM library, unseen by torch (score_head.library_bytes)."""
+        return score_heads.library_bytes(self.score_head, rows, vocab, self.dtype, self.device)
 
     @property
     def rope_dtype(self) -> torch.dtype:
         return self.ops.rope_table_dtype(self.dtype)
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, inplace: bool, window: int = 0,
-               softcap: float = 0.0) -> torch.Tensor:
-        """One sequence's causal attention on the compiled or torch paths (q [Hq, Lq, D], k/v
-        [Hkv, Lk, D]): over q where the kernel writes there or `inplace` asks, else a new tensor.
-        The Triton path attends the whole batch at once (gpu_attention.BatchAttention)."""
-        if self.attention_path == "cpu_flash":
-            return cpu_flash_attention(q, k, v, scale, out=q, window=window, softcap=softcap)
-        if inplace:
-            return causal_attention_inplace(q, k, v, scale, backend=self.attention, window=window, softcap=softcap)
-        return causal_attention(q, k, v, scale, self.attention, window=window, softcap=softcap)

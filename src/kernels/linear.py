@@ -49,14 +49,32 @@ _EMULATED_BLOCK_BYTES_PER_ROW = 512
 _choices: dict[tuple, str] = {}  # one timing per (dtype, layer shapes, threads) in a process
 
 
-def linear(out: torch.Tensor | None, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """x [rows, in] @ w.T (+ b) -> [rows, out_features]. A weight packed by `pack` (oneDNN's
-    layout) returns a new tensor and ignores `out`; a plain one writes into `out` and returns it."""
-    if w.layout == torch._mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+def aten_linear(out: torch.Tensor | None, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] @ w.T (+ b) -> [rows, out_features] with a plain weight, into `out` (returned)."""
     if b is None:
         return torch.matmul(x, w.t(), out=out)
     return torch.addmm(b, x, w.t(), out=out)
+
+
+def onednn_linear(out: torch.Tensor | None, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The same with a weight packed by `pack`: a new tensor (`out` is ignored: no out= form)."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+_GEMMS = {"aten": aten_linear, "onednn": onednn_linear}
+
+
+def gemm(backend: str):
+    """The one function a concrete backend's calls go through (KernelBackend.gemm): an engine packs
+    every weight it passes there for that backend at load (ModelWeights.pack_linears), so no call
+    needs to look at a weight's layout."""
+    return _GEMMS[backend]
+
+
+def linear(out: torch.Tensor | None, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """aten_linear or onednn_linear by the weight's layout: for callers that hold weights of either
+    layout (the self-check, the timed choice, benchmarks, tests); an engine calls its `gemm`."""
+    return (onednn_linear if w.layout == torch._mkldnn else aten_linear)(out, x, w, b)
 
 
 def allocates_output(backend: str) -> bool:
@@ -64,9 +82,21 @@ def allocates_output(backend: str) -> bool:
     return backend == "onednn"
 
 
+def call_bytes(backend: str, rows: int, out_features: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> int:
+    """Bytes one call over `rows` rows allocates beyond the workspace: its output where the backend
+    allocates it, and the library's own buffers (call_scratch_bytes)."""
+    own = torch.tensor([], dtype=dtype).element_size() * rows * out_features if allocates_output(backend) else 0
+    return call_scratch_bytes(rows, out_features, dtype, device) + own
+
+
 def pack(w: torch.Tensor, backend: str) -> torch.Tensor:
     """The weight [out, in] as `backend` reads it: oneDNN's blocked layout (an opaque tensor,
-    replacing the plain one), or `w` itself."""
+    replacing the plain one), or `w` itself (also where it is packed already). A packed weight
+    cannot serve aten: ValueError (the backend's gemm reads one layout and never looks)."""
+    if w.layout == torch._mkldnn:
+        if backend != "onednn":
+            raise ValueError(f"a weight packed for oneDNN cannot run on the {backend!r} linear backend: load the weights afresh")
+        return w
     if backend != "onednn":
         return w
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)

@@ -32,7 +32,7 @@ import logging
 import torch
 
 from . import cpu_ext
-from .linear import linear
+from .linear import call_scratch_bytes, linear
 
 HEAD_DTYPES = ("float32", "model")
 HEADS = ("linear", "cpu_amx", "cpu_pairs", "out_dtype", "upcast")
@@ -86,11 +86,12 @@ def _self_check(head: str, device: str, dtype: torch.dtype) -> str | None:
     return None
 
 
-def logits(head: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def logits(head: str, x: torch.Tensor, w: torch.Tensor, gemm=linear) -> torch.Tensor:
     """[rows, vocab] float32 logits of normed rows x [rows, hidden] (model dtype) and the LM head w
-    ([vocab, hidden] plain; packed only for the "linear" head) on `head`."""
+    ([vocab, hidden] plain; packed only for the "linear" head) on `head`; `gemm`: the "linear"
+    head's GEMM (an engine's own, KernelBackend.gemm, whose layout its packed head has)."""
     if head == "linear":
-        return linear(None, x, w, None).float()
+        return gemm(None, x, w, None).float()
     if head in _PAIR_HEADS and not _in_pairs(w):
         head = "upcast"  # an odd hidden size (or a weight view off its pairs): exact all the same
     if head in _PAIR_HEADS:
@@ -127,6 +128,12 @@ def packs_weight(head: str) -> bool:
     """Whether the LM head's weight may be packed for the linear backend (only the "linear" head
     reads it through kernels.linear; the others read the plain [vocab, hidden] rows)."""
     return head == "linear"
+
+
+def library_bytes(head: str, rows: int, vocab: int, dtype: torch.dtype, device: torch.device | str) -> int:
+    """What one call over `rows` rows allocates inside a GEMM library, unseen by torch: only the
+    "linear" head goes through one (kernels.linear.call_scratch_bytes); the others allocate tensors."""
+    return call_scratch_bytes(rows, vocab, dtype, device) if head == "linear" else 0
 
 
 def call_bytes(head: str, rows: int, hidden: int, vocab: int, element_size: int) -> int:

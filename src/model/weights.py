@@ -72,13 +72,12 @@ class ModelWeights:
         in place, one at a time (the plain tensor is dropped once packed), and the LM head likewise
         where `pack_lm_head` (a logprob span runs it on every scored position: oneDNN's packed GEMM
         was 1.2-1.4x aten's on SmolLM2's head at 64-256 rows, perf/RESULTS.md; the float32 score
-        heads read the plain rows instead: kernels.score_head); returns self."""
+        heads read the plain rows instead: kernels.score_head); returns self. Weights packed already
+        stay so (ValueError where `backend` cannot read them: its gemm never looks at the layout)."""
         for layer in self.layers:
             for name in _PROJECTIONS:
-                w = getattr(layer, name)
-                if w.layout == torch.strided:
-                    setattr(layer, name, pack(w, backend))
-        if pack_lm_head and self.lm_head.layout == torch.strided:  # onednn: a copy when tied (the embedding keeps the plain rows)
+                setattr(layer, name, pack(getattr(layer, name), backend))
+        if pack_lm_head:  # onednn: a copy when tied (the embedding keeps the plain rows)
             self.lm_head = pack(self.lm_head, backend)
         return self
 

@@ -3,9 +3,9 @@
 Per layer:
   A. per token chunk of the packed rows: RMSNorm -> fused QKV matmul -> (q/k norm) -> RoPE at
      each sequence's own positions, written into that sequence's Q/K/V segment;
-  B. attention per sequence, over its whole length at once (KernelBackend.attend), its
-     cached prefix K/V first; on the Triton backend one launch for the whole batch, reading
-     pool-backed prefixes in place (kernels.gpu_attention);
+  B. attention over each sequence's whole length at once, its cached prefix K/V first, on the
+     attention path its KernelBackend chose (kernels.attention_paths): per sequence, or on the
+     Triton path one launch for the whole batch, reading pool-backed prefixes in place;
   C. per token chunk: o_proj + residual add, RMSNorm, fused gate/up matmul, SwiGLU, down_proj
      + residual add, in place on the residual stream. Gemma adds a norm on attention's output and
      one on the MLP's before each residual add, and gates with tanh-GELU (GeGLU).
@@ -27,7 +27,6 @@ import torch
 
 from ..cache.prefix_io import CaptureSink, KVSink, PrefixKV, PrefixSource, Sinks
 from ..kernels.backend import KernelBackend
-from ..kernels.linear import linear
 from ..kernels.score_head import packs_weight
 from ..model.spec import ModelSpec
 from ..model.rope import RotaryTable
@@ -154,6 +153,7 @@ class HybridPrefillExecutor:
         self.kernels = kernels
         self.ops = kernels.ops
         self.weights = weights.pack_linears(kernels.linear, pack_lm_head=packs_weight(kernels.score_head))
+        self.gemm = kernels.gemm  # the projections' one GEMM: every weight it reads was packed for it just above
         self.dtype = kernels.dtype
         self.device = kernels.device
         # one RoPE table per layer type where the config has one per type, else one for all
@@ -198,15 +198,12 @@ class HybridPrefillExecutor:
         qs = [ws["q"][:, r : r + s.new_tokens] for r, s in zip(batch.row_starts, seqs)]
         ks = [ws["k"][:, a : a + s.prefix_tokens + s.new_tokens] for a, s in zip(batch.kv_starts, seqs)]
         vs = [ws["v"][:, a : a + s.prefix_tokens + s.new_tokens] for a, s in zip(batch.kv_starts, seqs)]
-        fused, paged = None, [None] * len(seqs)
-        if self.kernels.attention_path == "triton":
-            fused, paged = self._batch_attention(batch)
-        loads = [s.prefix_tokens > 0 and pg is None for s, pg in zip(seqs, paged)]  # the rest are read in place
+        attention = self.kernels.attention_path.begin(batch, (ws["q"], ws["k"], ws["v"]), self.scale, inplace_attention)
 
         softcap = spec.attention_softcap or 0.0
         for li, layer in enumerate(self.weights.layers):
             layer_pieces, window = pieces[self.layer_rope[li]], spec.layer_window(li)
-            for s, k, v, load in zip(seqs, ks, vs, loads):
+            for s, k, v, load in zip(seqs, ks, vs, attention.loads):  # the other prefixes are read in place
                 if load:
                     s.prefix.load(li, k[:, : s.prefix_tokens], v[:, : s.prefix_tokens])
             for (c0, c1), chunk_pieces in zip(chunks, layer_pieces):
@@ -214,11 +211,7 @@ class HybridPrefillExecutor:
             for sink, k, v in zip(sinks, ks, vs):
                 if sink is not None:
                     sink.store(li, k, v)
-            if fused is not None:  # one launch, each output over its own query segment
-                fused.run(li, ws["q"], ws["k"], ws["v"], window, softcap)
-                attn = qs
-            else:
-                attn = [self.kernels.attend(q, k, v, self.scale, inplace_attention, window, softcap) for q, k, v in zip(qs, ks, vs)]
+            attn = attention.run(li, qs, ks, vs, window, softcap)  # per sequence: over its q, or a new tensor
             for (c0, c1), chunk_pieces in zip(chunks, layer_pieces):
                 self._mlp_chunk(layer, ws, attn, c0, c1, chunk_pieces)
             del attn
@@ -248,25 +241,6 @@ class HybridPrefillExecutor:
                                                     long=spec.rope_long(seqs[i].regime_length)))
                         for i, r0, r1 in batch.pieces(c0, c1)] for c0, c1 in chunks]
                 for kind, rotary in self.rotaries.items()}
-
-    def _batch_attention(self, batch: ForwardBatch):
-        """The Triton attention of this batch, and per sequence the (pool, slots) its prefix is
-        read from in place (None: loaded into its workspace segment as on the other backends)."""
-        paged, pool = [], None
-        for s in batch.sequences:
-            pg = s.prefix.paged() if s.prefix_tokens else None
-            if pg is not None and s.capture is not None and s.capture[0] < s.prefix_tokens:
-                pg = None  # the capture copies prefix positions out of the workspace: they must be there
-            if pg is not None:
-                pool = pool or pg[0]
-                pg = pg if pg[0] is pool else None
-            paged.append(pg)
-        from ..kernels import gpu_attention  # imported where chosen: it imports triton
-
-        attention = gpu_attention.BatchAttention(
-            batch.row_starts, [s.new_tokens for s in batch.sequences], batch.kv_starts,
-            [s.prefix_tokens for s in batch.sequences], paged, self.scale, self.device)
-        return attention, paged
 
     def _last_logits(self, ws, rows: list[int]) -> torch.Tensor:
         """[len(rows), vocab] float32: the final norm and LM head on the given rows only (never
@@ -344,7 +318,7 @@ class HybridPrefillExecutor:
         """A. packed rows [c0, c1): norm, fused QKV, (q/k norm), RoPE -> each sequence's Q/K/V."""
         spec, n = self.spec, c1 - c0
         x = self.ops.rms_norm_into(ws["normed"][:n], ws["hidden"][c0:c1], layer.input_norm, spec.rms_norm_eps, ws["scratch32"][:n, : spec.hidden_size])
-        out = linear(ws["qkv"][:n], x, layer.wqkv, layer.bqkv)  # ws["qkv"] or a new tensor (kernels.linear)
+        out = self.gemm(ws["qkv"][:n], x, layer.wqkv, layer.bqkv)  # ws["qkv"] or a new tensor (kernels.linear)
         qk_norm = (layer.q_norm, layer.k_norm, spec.rms_norm_eps) if layer.q_norm is not None else None  # Qwen3
         row = c0
         for i, r0, r1, cos, sin in pieces:
@@ -367,15 +341,15 @@ class HybridPrefillExecutor:
         scratch = ws["scratch32"][:n, : spec.hidden_size]
         # each projection's output is its workspace buffer or, on a backend that allocates them,
         # a new tensor: dropped as soon as it is read, so that one is alive at a time (memory.py)
-        proj = linear(ws["proj"][:n], ws["o_rows"][:n], layer.wo, layer.bo)
+        proj = self.gemm(ws["proj"][:n], ws["o_rows"][:n], layer.wo, layer.bo)
         if layer.attn_out_norm is not None:
             self.ops.rms_norm_into(proj, proj, layer.attn_out_norm, spec.rms_norm_eps, scratch)
         x = self.ops.add_rms_norm_(h, proj, layer.post_norm, spec.rms_norm_eps, ws["normed"][:n], scratch)
         del proj
-        gate_up = linear(ws["gate_up"][:n], x, layer.w_gate_up, layer.b_gate_up)
+        gate_up = self.gemm(ws["gate_up"][:n], x, layer.w_gate_up, layer.b_gate_up)
         act = self.ops.gated_activation_into(ws["act"][:n], gate_up, spec.activation)
         del gate_up
-        down = linear(ws["proj"][:n], act, layer.w_down, layer.b_down)
+        down = self.gemm(ws["proj"][:n], act, layer.w_down, layer.b_down)
         if layer.mlp_out_norm is not None:
             self.ops.rms_norm_into(down, down, layer.mlp_out_norm, spec.rms_norm_eps, scratch)
         h.add_(down)

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.attention import INPLACE_QUERY_BLOCK, banded_scratch_bytes, cpu_flash_scratch_bytes, inplace_attention_supported
+from ..kernels.attention import AttentionShape, inplace_attention_supported
 from ..kernels.backend import KernelBackend
-from ..kernels.linear import allocates_output, call_scratch_bytes
-from ..kernels.score_head import call_bytes as score_head_call_bytes
 from ..model.spec import ModelSpec
 from .workspace import LOGPROB_ROWS, plan_workspace
 
@@ -26,23 +24,6 @@ _PAGE = 4096  # an allocation may touch one page more than its size (its header,
 # buffers) by up to 2.4 MiB: fresh processes of fresh clones measured that peak anywhere in
 # 35.6-38.4 MiB for 36.0 MiB of tensors (2026-12-01). 3 MiB covers the worst seen.
 UNSEEN_BYTES = 3 << 20
-
-# The compiled CPU kernel (backend "cpu_flash") writes over Q and allocates only its scratch (and
-# on its bf16 pair path V packed in key pairs), which it reports itself (cpu_flash_scratch_bytes):
-# nothing to estimate.
-#
-# torch SDPA's output and internal buffers, per query element ([S, q_width]), and its
-# per-thread fixed blocks. Measured on CPU (memory_probe: growth minus the workspace) at
-# 8K-16K tokens: ~6 B per query element in both bf16 and fp32 for small GQA configs, ~9 on
-# SmolLM2 (9 heads / 3 KV heads). tests/engine/test_memory.py keeps the whole prediction within 15%.
-_ATTENTION_BYTES_PER_QUERY_ELEMENT = 6
-_ATTENTION_FIXED_BYTES = 2 << 20
-# causal_attention_inplace: per element of one query block: two flash outputs and their
-# float32 accumulators, the float32 merge, the cast back. Measured (memory_probe growth minus
-# the workspace) ~45 B at 2048-query blocks on a small GQA config, plus ~8 MiB that does not
-# shrink with the block (per-thread flash buffers of two calls, allocator slack).
-_INPLACE_BYTES_PER_QUERY_ELEMENT = 48
-_INPLACE_FIXED_BYTES = 8 << 20
 
 
 def predict_peak_bytes(spec: ModelSpec, new_tokens: int, chunk_size: int | None, dtype: torch.dtype, prefix_tokens: int = 0,
@@ -63,21 +44,22 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
     row after row (executor.ForwardBatch; a single request is a batch of one):
 
     workspace  the batch's buffers (exact: the executor allocates this plan);
-    linear     the projections' per-call allocations, the largest alive at a time: their outputs
-               where the linear backend allocates them (kernels.linear.allocates_output; the
-               workspace then plans none) and the library's own buffers (kernels.linear.
-               call_scratch_bytes: float32 copies of the output where oneDNN emulates bf16);
-               where attention writes over Q (the compiled and Triton kernels) its scratch is
-               freed before any projection runs, so only what exceeds `attention` is added;
-    attention  attention's output and temporaries (for the compiled CPU kernel, which writes over
-               Q: its scratch and packed V, as it reports them, one call at a time; for the Triton kernel,
-               which writes over Q with no scratch: none; for SDPA the measured estimate above,
-               every sequence's output alive until the MLP half of the layer; for windowed or
-               soft-capped layers on the torch path the banded path's outputs and its largest
-               block's temporaries; the largest over the model's layer kinds);
+    linear     the projections' per-call allocations, the largest alive at a time, as the kernels
+               count one call (KernelBackend.linear_call_bytes: their outputs where the linear
+               backend allocates them, the workspace then plans none, and the library's own
+               buffers: float32 copies of the output where oneDNN emulates bf16), and the LM
+               head's library buffers (KernelBackend.score_head_library_bytes); where attention
+               writes over Q (the compiled and Triton kernels) its scratch is freed before any
+               projection runs, so only what exceeds `attention` is added;
+    attention  attention's output and temporaries, as the attention path counts them
+               (kernels.attention_paths, `scratch_bytes`: the compiled CPU kernel's scratch and
+               packed V as it reports them, one call at a time; none on the Triton kernel; SDPA's
+               measured estimate, every sequence's output alive until the MLP half of the layer;
+               the banded path's for windowed or soft-capped layers on torch; the largest over
+               the model's layer kinds);
     captured   K/V of a captured prefix (multi-item), all layers;  prefix_gather: one layer's
                cached blocks of one sequence gathered from the pool (sequences load in turn;
-               none on the Triton backend, which reads the pool's blocks in place);
+               none on a path that reads the pool's blocks in place: the Triton kernel's);
     ids        the token ids (int64): built by the caller before the forward starts, but held for it;
     small      RoPE cos/sin tables (float32 on CPU) and one chunk's angle table, the B last rows and
                their logits;
@@ -94,7 +76,9 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
     b = len(members)
     plan = plan_workspace(spec, s, chunk_size, dtype, sum(p for _, p in members),
                           fp32_scratch=kernels.norm_scratch(spec.qk_norm), linear_outputs=kernels.linear_outputs)
-    attention = _attention_bytes(spec, members, kernels, inplace_attention)
+    shape = AttentionShape(dtype, spec.head_dim, spec.num_heads, spec.num_kv_heads)
+    windows = {spec.layer_window(i) for i in range(spec.num_layers)}
+    attention = kernels.attention_path.scratch_bytes(shape, members, windows, spec.attention_softcap or 0.0, inplace_attention)
     linear = _linear_call_bytes(spec, plan.chunk, b, kernels)
     if kernels.writes_over_q:  # attention writes over Q: its scratch is freed before any projection runs
         linear = max(0, linear - attention)
@@ -105,7 +89,7 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
         linear=linear,
         attention=attention,
         captured=e * 2 * captured_tokens * spec.kv_width * spec.num_layers,
-        prefix_gather=0 if kernels.attention_path == "triton" else e * 2 * max(p for _, p in members) * spec.kv_width,
+        prefix_gather=0 if kernels.attention_path.reads_prefix_in_place else e * 2 * max(p for _, p in members) * spec.kv_width,
         ids=s * 8,
         small=spec.rope_tables * s * spec.head_dim * 4 + plan.chunk * spec.head_dim * 2 + _last_rows_bytes(spec, b, kernels),
         # after the layers: the projections' and attention's transients are gone by then
@@ -121,7 +105,7 @@ def _last_rows_bytes(spec: ModelSpec, b: int, kernels: KernelBackend) -> int:
     before its cast on the "linear" head)."""
     e = torch.tensor([], dtype=kernels.dtype).element_size()
     rows = b * spec.hidden_size * 2 * e if b > 1 else 0
-    return rows + score_head_call_bytes(kernels.score_head, b, spec.hidden_size, spec.vocab_size, e)
+    return rows + kernels.score_head_bytes(b, spec.hidden_size, spec.vocab_size)
 
 
 def _span_bytes(spec: ModelSpec, members: list[tuple[int, int]], spans: list[tuple[int, int]], chunk: int,
@@ -135,7 +119,7 @@ def _span_bytes(spec: ModelSpec, members: list[tuple[int, int]], spans: list[tup
         return 0
     e = torch.tensor([], dtype=kernels.dtype).element_size()
     block = min(LOGPROB_ROWS, chunk, max(n for n, _ in spans))
-    head = score_head_call_bytes(kernels.score_head, block, spec.hidden_size, spec.vocab_size, e)
+    head = kernels.score_head_bytes(block, spec.hidden_size, spec.vocab_size)
     outputs = sum(n * (4 + 1 + (4 + 8) + k * (4 + 8) + 2 * 12) for n, k in spans)
     into_prefix = any(n >= new for (n, _), (new, _) in zip(spans, members))  # rows gathered from the cache
     # per row: its normed state and (a span over cached positions) the gathered one, and its log-softmax (`head` has its logits)
@@ -143,44 +127,11 @@ def _span_bytes(spec: ModelSpec, members: list[tuple[int, int]], spans: list[tup
             + 6 * _PAGE * sum(1 for n, _ in spans if n))
 
 
-def _attention_bytes(spec: ModelSpec, members: list[tuple[int, int]], kernels: KernelBackend, inplace: bool) -> int:
-    """Attention's part of the prediction (batch_peak_components' `attention`), by the path the
-    executor takes (the same KernelBackend decides both)."""
-    dtype = kernels.dtype
-    if kernels.attention_path == "triton":  # the Triton kernel writes over Q and allocates nothing
-        return 0
-    if kernels.attention_path == "cpu_flash":
-        longest_keys = max(n + p for n, p in members)  # one call at a time: the longest sequence's
-        return cpu_flash_scratch_bytes(spec.head_dim, spec.num_heads // spec.num_kv_heads, spec.num_kv_heads,
-                                       longest_keys, dtype)
-    # torch paths: SDPA for plain causal layers, the banded path for windowed or capped ones
-    e = torch.tensor([], dtype=dtype).element_size()
-    return max(_torch_attention_bytes(spec, members, e, window, inplace)
-               for window in {spec.layer_window(i) for i in range(spec.num_layers)})
-
-
 def _linear_call_bytes(spec: ModelSpec, chunk: int, last_rows: int, kernels: KernelBackend) -> int:
-    """The largest of the projections' calls over one chunk (and the LM head's over the last
-    rows, after the layers): its output if the backend allocates it, plus the library's buffers."""
-    dtype, device = kernels.dtype, kernels.device
-    e = torch.tensor([], dtype=dtype).element_size()
-    own = e * chunk if allocates_output(kernels.linear) else 0
-    calls = [call_scratch_bytes(chunk, n, dtype, device) + own * n
-             for n in (spec.qkv_width, spec.hidden_size, 2 * spec.intermediate_size)]
-    head = call_scratch_bytes(last_rows, spec.vocab_size, dtype, device) if kernels.score_head == "linear" else 0
-    return max(calls + [head])
-
-
-def _torch_attention_bytes(spec: ModelSpec, members: list[tuple[int, int]], e: int, window: int, inplace: bool) -> int:
-    """Attention's output and temporaries for layers of one `window` on the torch paths."""
-    if window or spec.attention_softcap:  # banded_attention: sequences in turn, every output alive unless over Q
-        longest = max(members, key=lambda m: m[0] + m[1])
-        scratch = banded_scratch_bytes(spec.num_heads, spec.num_kv_heads, spec.head_dim, longest[0], sum(longest), window)
-        return scratch + (0 if inplace else e * sum(n for n, _ in members) * spec.q_width)
-    if inplace:  # one query block's flash outputs and float32 merge at a time
-        longest = max(n for n, _ in members)
-        return _INPLACE_BYTES_PER_QUERY_ELEMENT * min(longest, INPLACE_QUERY_BLOCK) * spec.q_width + _INPLACE_FIXED_BYTES
-    return _ATTENTION_BYTES_PER_QUERY_ELEMENT * sum(n for n, _ in members) * spec.q_width + _ATTENTION_FIXED_BYTES
+    """The largest of the projections' calls over one chunk (and the LM head's library buffers over
+    the last rows, after the layers), as the kernels count one call."""
+    calls = [kernels.linear_call_bytes(chunk, n) for n in (spec.qkv_width, spec.hidden_size, 2 * spec.intermediate_size)]
+    return max(calls + [kernels.score_head_library_bytes(last_rows, spec.vocab_size)])
 
 
 class ActivationBudget:

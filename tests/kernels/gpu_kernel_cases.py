@@ -271,11 +271,25 @@ def test_backend_resolution():
     assert resolve_backend("triton", DEVICE) == "triton"
     if DEVICE.type == "cuda":
         assert resolve_backend("auto", DEVICE) == "triton"
-    path = lambda dtype, head_dim: KernelBackend(DEVICE, dtype, head_dim, "triton").attention_path  # noqa: E731
+    path = lambda dtype, head_dim: KernelBackend(DEVICE, dtype, head_dim, "triton").attention_path.name  # noqa: E731
     assert path(torch.float16, 64) == "triton"
     assert path(torch.float32, 64) == "torch"  # float32 runs on the torch ops
     assert path(torch.float16, 24) == "torch"  # not a power of two: SDPA
     assert KernelBackend(DEVICE, torch.float16, 64, "triton").ops.name == "triton"  # the fused per-token kernels too
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_the_triton_path_attends_one_sequence_over_q(window):
+    """The path object's one-sequence entry (a batch of one, its prefix in k/v): over q, as the
+    float64 reference; and the memory facts memory.py reads from it."""
+    path = KernelBackend(DEVICE, torch.float16, 64, "triton").attention_path
+    assert path.writes_over_q and path.reads_prefix_in_place
+    gen = _gen(31 + window)
+    q = _randn(gen, 4, 13, 64, dtype=torch.float16)
+    k, v = (_randn(gen, 2, 21 + 13, 64, dtype=torch.float16) for _ in range(2))
+    want = attention_float64(q.cpu(), k.cpu(), v.cpu(), 0.125, window=window)
+    got = path.attend(q, k, v, 0.125, window=window)
+    assert got.data_ptr() == q.data_ptr() and max_abs(got.cpu(), want) <= ATTN_TOL[torch.float16]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from prefillonly.kernels import cpu_ext
-from prefillonly.kernels.attention import (banded_attention, causal_attention, causal_attention_inplace, cpu_flash_attention,
-                                           resolve_backend)
+from prefillonly.kernels.attention import banded_attention, causal_attention, cpu_flash_attention, resolve_backend
+from prefillonly.kernels.backend import KernelBackend
 
 from ..reference import attention_float64 as reference
 
@@ -235,11 +235,13 @@ def test_writes_over_q_and_reads_strided_kv(isa, dtype):
     writes_over_q_reading_strided_kv(isa, dtype, prefix=70, seed=5)
 
 
-def test_inplace_entry_point_uses_the_kernel_over_q(kernel):
+@pytest.mark.parametrize("inplace", [False, True])
+def test_the_cpu_flash_path_runs_the_kernel_over_q(kernel, inplace):
     q, k, v = inputs(2, 3, 30, 40, 64, torch.bfloat16, seed=9)
     want = cpu_flash_attention(q, k, v, 0.125)
     buf = q.clone()
-    assert causal_attention_inplace(buf, k, v, 0.125, backend="cpu_flash").data_ptr() == buf.data_ptr()
+    path = KernelBackend(torch.device("cpu"), torch.bfloat16, 64, "cpu_flash").attention_path
+    assert path.attend(buf, k, v, 0.125, inplace).data_ptr() == buf.data_ptr()  # over q whatever the step asks
     assert torch.equal(buf, want)
 
 
@@ -256,10 +258,13 @@ def test_exp2_polynomial_error(isa, kernel):
 
 def test_auto_picks_the_kernel_and_falls_back_where_it_does_not_apply(kernel):
     assert resolve_backend("auto", torch.device("cpu")) == "cpu_flash"
-    # head_dim 24 (not a multiple of 16) and float64 go to SDPA under the same backend name
+    # head_dim 24 (not a multiple of 16) and float64 go to SDPA under the same backend name, decided
+    # once for the model: its KernelBackend's path is torch's
     for d, dtype in ((24, torch.float32), (64, torch.float64)):
         q, k, v = inputs(2, 3, 9, 20, d, dtype, seed=d)
-        got = causal_attention(q, k, v, 0.3, backend="cpu_flash")
+        path = KernelBackend(torch.device("cpu"), dtype, d, "cpu_flash").attention_path
+        got = path.attend(q, k, v, 0.3)
+        assert path.name == "torch" and torch.equal(got, causal_attention(q, k, v, 0.3, "sdpa"))
         assert (got.double() - reference(q, k, v, 0.3)).abs().max().item() < 1e-5
 
 

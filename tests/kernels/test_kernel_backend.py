@@ -23,7 +23,7 @@ def compiled():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_compiled_kernels_where_they_take_the_model(compiled, dtype):
     k = KernelBackend(CPU, dtype, 64, "cpu_flash", "aten")
-    assert k.attention_path == "cpu_flash" and k.writes_over_q
+    assert k.attention_path.name == "cpu_flash" and k.writes_over_q
     assert isinstance(k.ops, CompiledCpuOps) and k.rope_dtype == torch.float32
     assert not k.norm_scratch(qk_norm=False) and k.norm_scratch(qk_norm=True)  # q/k norms are 3-d views: torch path
 
@@ -31,20 +31,20 @@ def test_the_compiled_kernels_where_they_take_the_model(compiled, dtype):
 @pytest.mark.parametrize("head_dim,dtype", [(24, torch.float32), (272, torch.float32), (64, torch.float64)])
 def test_attention_the_kernel_does_not_cover_runs_on_torch(compiled, head_dim, dtype):
     k = KernelBackend(CPU, dtype, head_dim, "cpu_flash")
-    assert k.attention_path == "torch" and not k.writes_over_q
+    assert k.attention_path.name == "torch" and not k.writes_over_q
     if dtype == torch.float64:
         assert type(k.ops) is TorchOps and k.rope_dtype == torch.float64 and k.norm_scratch(False)
 
 
 def test_sdpa_keeps_the_compiled_per_token_ops(compiled):
     k = KernelBackend(CPU, torch.float32, 64, "sdpa")
-    assert k.attention_path == "torch" and isinstance(k.ops, CompiledCpuOps)
+    assert k.attention_path.name == "torch" and isinstance(k.ops, CompiledCpuOps)
 
 
 def test_triton_is_chosen_only_where_it_runs():
     k = KernelBackend(CPU, torch.float16, 64, "triton")
     want = "triton" if gpu_support.runs_on(CPU) else "torch"  # CPU: only under TRITON_INTERPRET=1
-    assert k.attention_path == want and k.ops.name == want
+    assert k.attention_path.name == want and k.ops.name == want
 
 
 def test_choose_resolves_auto_and_refuses_what_cannot_run():
