@@ -88,7 +88,7 @@ def compare(a: dict, b: dict) -> dict:
             "max_logprob_gap": bu.max_logprob_gap({k: a[k][-1] for k in common}, {k: b[k][-1] for k in common})}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m perf.compare_trees", description=__doc__.split("\n\n")[0])
     p.add_argument("--before", required=True, help="the revision before the change")
     p.add_argument("--after", default="HEAD", help="the revision after it (default HEAD)")
@@ -99,7 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default="/tmp/prefillonly-compare-trees", help="where the worktrees and venvs go")
     p.add_argument("--out", default=str(bu.PERF_DIR / "results" / "compare_trees.json"))
     p.add_argument("--timeout", type=float, default=3600, help="seconds per perf.eval command")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     trees = {name: checkout(rev, work, name) for name, rev in (("before", args.before), ("after", args.after))}
