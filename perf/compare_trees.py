@@ -65,7 +65,11 @@ def run_eval(python: Path, tree: Path, args: list[str], ext_dir: Path, timeout_s
     bu.log(f"  {tree.name}: perf.eval {' '.join(args)}: {time.perf_counter() - t0:.0f} s")
     dtype = args[args.index("--dtype") + 1]
     folder = "eval" if dtype == "bfloat16" else f"eval-{dtype}"  # perf/eval.py's results_dir
-    return json.loads((tree / "perf" / "results" / folder / f"{args[0]}.json").read_text())
+    written = tree / "perf" / "results" / folder / f"{args[0]}.json"
+    kept = tree.parent / "runs" / f"{tree.name}_{args[0]}_{int(time.time())}.json"  # the next run overwrites `written`
+    kept.parent.mkdir(exist_ok=True)
+    shutil.copy(written, kept)
+    return json.loads(written.read_text())
 
 
 def offline_answers(data: dict) -> dict:
@@ -76,8 +80,8 @@ def offline_answers(data: dict) -> dict:
 
 def load_answers(data: dict) -> dict:
     """request id -> (cached tokens, logprobs) of every answered request of the load run."""
-    runs = [r for r in data["runs"] if r.get("system") == "ours"]
-    return {o["request_id"]: (o["cached_tokens"], o["logprobs"]) for r in runs for o in r["outcomes"] if o["ok"]}
+    levels = [lv for lv in data["levels"] if lv.get("system") == "ours"]
+    return {o["request_id"]: (o["cached_tokens"], o["logprobs"]) for lv in levels for o in lv["outcomes"] if o["ok"]}
 
 
 def compare(a: dict, b: dict) -> dict:
@@ -131,7 +135,8 @@ def summarize(args, trees: dict, runs: dict) -> dict:
             for name, tree in trees.items()}
     walls = {name: {w: [r["wall_s"] for d in runs[name]["offline"] for r in d["runs"] if r.get("workload") == w and "wall_s" in r]
                     for w in ("post_rec", "credit")} for name in runs}
-    loads = {name: [d["runs"][0]["summary"] for d in runs[name]["load"]] for name in runs}
+    loads = {name: [lv["summary"] for d in runs[name]["load"] for lv in d["levels"] if lv.get("system") == "ours"]
+             for name in runs}
     before_offline = offline_answers(runs["before"]["offline"][0])
     offline = [compare(before_offline, offline_answers(d)) for name in ("before", "after") for d in runs[name]["offline"]]
     load = compare(load_answers(runs["before"]["load"][0]), load_answers(runs["after"]["load"][0]))
