@@ -71,7 +71,7 @@ def build_scoring(model_repository: str | Path, triton_grpc: str, model_name: st
     most prompts one completions (or item_first score) call may carry; each is its own engine
     request, so it is capped at the engine's max_waiting (the queue must take the call whole)."""
     from ..model.default_model import ensure_default_model
-    from ..model.spec import context_length_of
+    from ..contract.checkpoint import context_length_of
 
     model_dir = Path(model_repository) / model_name
     settings = ServedSettings.read(model_dir)

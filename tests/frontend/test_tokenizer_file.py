@@ -20,7 +20,8 @@ import pytest
 from prefillonly.contract.errors import ConfigError, InvalidRequestError
 from prefillonly.contract.tokenizer_file import KNOWN_MODEL_TYPES, load_tokenizer
 from prefillonly.frontend.presets import PRESETS_FILE, TemplateTokenizer, load_presets
-from prefillonly.model.spec import ModelSpec, context_length_of
+from prefillonly.contract.checkpoint import context_length_of
+from prefillonly.model.spec import ModelSpec
 
 from ..conftest import FAMILY_CONFIGS
 

@@ -150,3 +150,26 @@ def test_every_subpackage_is_installed():
     listed = set(tomllib.loads((SRC.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     folders = {".".join([PACKAGE, *p.parent.relative_to(SRC).parts]) for p in SRC.rglob("__init__.py")}
     assert listed == folders, f"not listed: {sorted(folders - listed)}; listed, not packages: {sorted(listed - folders)}"
+
+
+# what the frontend and the fleet's picker may import besides their own folder and contract/: the
+# host's model settings (what the served model is configured with), the metrics reader the picker
+# shares with the host, and the default model's conversion (run once by a frontend that starts
+# before anything prepared the default model; `prefillonly prepare` does it at set-up)
+OUTSIDE_CONTRACT = {"prefillonly.serving.host.model_settings", "prefillonly.serving.host.prometheus",
+                    "prefillonly.model.default_model"}
+
+
+def test_the_frontend_and_the_picker_import_only_the_contract():
+    """Editing block hashing, the JCT rule or the limits is a change of contract/, visibly: the
+    frontend and the picker never reach into the engine's own modules."""
+    graph = import_graph(SRC, PACKAGE)
+    outside = {}
+    for module, imports in graph.items():
+        if module.startswith(("prefillonly.frontend", "prefillonly.serving.picker")):
+            bad = sorted(m for m in imports if not m.startswith(("prefillonly.contract", "prefillonly.frontend",
+                                                                 "prefillonly.serving.picker"))
+                         and m not in OUTSIDE_CONTRACT and m != PACKAGE)
+            if bad:
+                outside[module] = bad
+    assert "prefillonly.frontend.app" in graph and not outside, outside
