@@ -32,6 +32,7 @@ import os
 import sys
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .envoy import EnvoyProxy
@@ -198,9 +199,10 @@ class LocalFleet:
         if self.picker is not None:
             with contextlib.suppress(Exception):
                 self.picker.stop(timeout=5)
-        for r in self.replicas:
-            with contextlib.suppress(Exception):
-                r.stop(timeout=15)
+        # all at once: each drains and waits for its own requests, so one replica's wait never
+        # holds up another's (one after the other, a fleet of N took N drains to stop)
+        with ThreadPoolExecutor(max(1, len(self.replicas)), thread_name_prefix="fleet-stop") as pool:
+            list(pool.map(_stop_quietly, self.replicas))
 
     def __enter__(self) -> "LocalFleet":
         return self
@@ -222,3 +224,8 @@ class LocalFleet:
             if port in (r.http_port, r.grpc_port):
                 return i
         raise KeyError(port)
+
+
+def _stop_quietly(replica: TritonServer) -> None:
+    with contextlib.suppress(Exception):
+        replica.stop(timeout=15)
