@@ -6,7 +6,8 @@
 
 Request path: submit_task() has the request's kind (tasks/) validate + tokenize in the caller's
 thread (prompts.py) into one Request record (request.py) and the scheduler queues it (refusing
-at once a prompt that could never fit the activation budget) -> the worker thread runs one step at a time, in three calls:
+at once a prompt that could never fit the activation budget) -> the worker thread runs one step
+at a time, in three calls:
 
     plan = scheduler.schedule()               # scheduler/: FCFS | SJF | CSJF order against the prefix
                                               # cache's current state; members pinned, memory decided

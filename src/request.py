@@ -46,10 +46,6 @@ class Request:
     logprob_rows: int = 0
     logprob_top_k: int = 0
     item_logprobs: bool = False  # each item's own tokens' logprobs (a span of its length - 1 rows)
-    # never batched with other requests: a multi-item request is a step of its own, its shared prompt
-    # first, then its items batched over the shared K/V (a logprob span shares a step: the step's
-    # memory check counts each member's span)
-    runs_alone: bool = False
     namespace: str | None = None  # cache hits never cross namespaces
     priority: int = 0  # higher runs first
     deadline: float | None = None  # scheduler clock time after which it must not start
@@ -83,6 +79,14 @@ class Request:
         or the shared prompt with its longest item (every item of a request computes in the regime
         of that length; the engine refuses a request whose items fall on both sides)."""
         return len(self.token_ids) + (max(map(len, self.item_ids)) if self.item_ids else 0)
+
+    @property
+    def runs_alone(self) -> bool:
+        """Never batched with other requests: a multi-item request is a step of its own, its shared
+        prompt first, then its items batched over the shared K/V (derived from item_ids, so no kind
+        can declare items without it). A logprob span shares a step: the step's memory check counts
+        each member's span."""
+        return self.item_ids is not None
 
     def start(self) -> bool:
         """The worker picked it: its Future runs (False: it was cancelled first)."""

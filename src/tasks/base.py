@@ -5,7 +5,8 @@ that owns, for its requests:
   - the wire: its task name, whether it takes items and allowed tokens, which options it accepts
     (serving/model/protocol.py asks, never the field combinations);
   - the Request: its arguments' checks and tokenizing (`build`), including the step shape the
-    scheduler reads as declared fields (runs alone; item lengths; a logprob span per row);
+    scheduler reads as declared fields (item lengths, so the request runs alone; a logprob span per
+    row);
   - the result: from the forward's rows to its answer type (`result`, or `item_result` for a kind
     whose items run over a shared prompt), and the answer's output tensors (`to_outputs`).
 Tensor-free at import: the Triton model's protocol reads kinds without torch; the result builders

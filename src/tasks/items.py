@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..contract.wire import SCORE
-from ..request import Request, check_top_k
+from ..request import Request
 from .base import RequestKind, RowOutput, SubmitContext, check_items
-from .score import score_outputs
+from .score import score_outputs, scored_tokens
 
 
 class ItemsKind(RequestKind):
@@ -24,12 +24,11 @@ class ItemsKind(RequestKind):
 
     def build(self, ctx: SubmitContext, prompt, *, items, allowed, item_template: str | None = None, top_k: int = 0,
               apply_chat_template: bool = False) -> Request:
-        allowed_ids = ctx.encoder.resolve_allowed(allowed)
-        top_k = check_top_k(top_k, ctx.spec.vocab_size)
+        allowed_ids, top_k = scored_tokens(ctx, allowed, top_k)
         shared = ctx.encoder.encode_prompt(prompt, apply_chat_template=apply_chat_template)
         item_ids = ctx.encoder.encode_items(items, item_template)
         check_items(ctx, shared, item_ids, "items")
-        return Request(self, shared, allowed_ids, top_k, item_ids=item_ids, runs_alone=True)
+        return Request(self, shared, allowed_ids, top_k, item_ids=item_ids)
 
     def item_result(self, request: Request, index: int, context, row: RowOutput, token_text):
         from ..worker.outputs import build_result

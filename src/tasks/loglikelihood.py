@@ -22,7 +22,7 @@ class LoglikelihoodKind(RequestKind):
     def build(self, ctx: SubmitContext, prompt, *, items) -> Request:
         shared, item_ids = ctx.encoder.encode_continuations(prompt, items)
         check_items(ctx, shared, item_ids, "continuations")
-        return Request(self, shared, [], 0, item_ids=item_ids, item_logprobs=True, runs_alone=True)
+        return Request(self, shared, [], 0, item_ids=item_ids, item_logprobs=True)
 
     def items_context(self, shared_logits):
         from ..worker.outputs import context_choice

@@ -18,8 +18,7 @@ class ScoreKind(RequestKind):
     options = ("cache_prefix_len", "top_k", "priority", "apply_chat_template")
 
     def build(self, ctx: SubmitContext, prompt, *, allowed, top_k: int = 0, apply_chat_template: bool = False) -> Request:
-        allowed_ids = ctx.encoder.resolve_allowed(allowed)
-        top_k = check_top_k(top_k, ctx.spec.vocab_size)
+        allowed_ids, top_k = scored_tokens(ctx, allowed, top_k)
         ids = ctx.encoder.encode_prompt(prompt, apply_chat_template=apply_chat_template)
         check_length(len(ids), ctx.max_input_len)
         return Request(self, ids, allowed_ids, top_k)
@@ -32,6 +31,12 @@ class ScoreKind(RequestKind):
 
     def to_outputs(self, results: list) -> dict[str, np.ndarray]:
         return score_outputs(results)
+
+
+def scored_tokens(ctx: SubmitContext, allowed, top_k) -> tuple[list[int], int]:
+    """The allowed tokens' ids and the checked top_k: what a ScoreResult is built from (the score
+    and items kinds alike)."""
+    return ctx.encoder.resolve_allowed(allowed), check_top_k(top_k, ctx.spec.vocab_size)
 
 
 def score_outputs(results: list) -> dict[str, np.ndarray]:
