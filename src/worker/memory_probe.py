@@ -25,6 +25,7 @@ from ..kernels.attention import BACKENDS, resolve_backend
 from ..kernels.backend import KernelBackend
 from ..kernels.linear import LINEAR_BACKENDS, resolve_linear_backend
 from .memory import PeakMemoryMeter, batch_peak_components
+from .workspace import LOGPROB_ROWS
 from ..model.spec import ModelSpec
 
 
@@ -51,9 +52,9 @@ def measure(args) -> dict:
         run = _transformers_runner(args, spec, dtype)
     else:
         run = _prefillonly_runner(args, spec, dtype, device)
-    # warm-up over one full chunk: one-time allocations (thread pools, the BLAS library's packing
-    # buffers for chunk-sized matmuls, kernels) belong to the process, not to the request
-    run(ids[: min(args.tokens, args.chunk_size or 2048)])
+    # warm-up over the measured run's call shapes: one-time allocations (thread pools, the BLAS
+    # library's packing buffers, kernels) belong to the process, not to the request
+    run(ids[: warm_up_tokens(args)])
     meter = PeakMemoryMeter(device)
     if not meter.available:
         raise SystemExit("cannot reset the RSS high-water mark (/proc/self/clear_refs not writable)")
@@ -140,6 +141,17 @@ def heap_free_bytes() -> int | None:
         return None
     fn.restype = MallInfo2
     return int(fn().fordblks)
+
+
+def warm_up_tokens(args) -> int:
+    """Tokens of the warm-up run: one full chunk and, with logprob spans, enough that every member's
+    span fills whole LOGPROB_ROWS blocks, so the LM head runs at the measured run's row count too (a
+    BLAS library sizes its kept packing buffers by the call's shape: a 64-row head first met in the
+    measured run counted them as the request's)."""
+    tokens = args.chunk_size or 2048
+    if args.logprob_rows:
+        tokens = max(tokens, args.members * (LOGPROB_ROWS + 2))
+    return min(args.tokens, tokens)
 
 
 def split_members(ids: torch.Tensor, members: int) -> list[torch.Tensor]:

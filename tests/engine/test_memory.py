@@ -144,23 +144,27 @@ def test_bf16_prediction_holds_where_onednn_emulates_bf16(linear):
             assert r["predicted_bytes"] - r["measured_bytes"] <= allowance(r), detail
 
 
-def test_batched_step_prediction_never_below_and_over_by_at_most_its_allowances():
+@pytest.mark.parametrize("linear", LINEARS["float32"])
+def test_batched_step_prediction_never_below_and_over_by_at_most_its_allowances(linear):
     """A step of 12 sequences packed into 8,191 rows (chunk 512: chunks span sequences): its
     prediction (the batch's workspace plan, the B last rows and logits) holds like a single
     forward's."""
-    r = probe(8191, 512, "float32", "cpu_flash", CONFIG, "--members", "12")
-    assert r["members"] == 12 and r["heap_trimmed"] and r["mmap_pinned"], r
+    r = probe(8191, 512, "float32", "cpu_flash", CONFIG, "--members", "12", "--linear-backend", linear)
+    assert r["members"] == 12 and r["heap_trimmed"] and r["mmap_pinned"] and r["linear_backend"] == linear, r
     detail = f"step of 12, 8191 tokens: predicted {mib(r['predicted_bytes'])}, measured {mib(r['measured_bytes'])}"
     assert r["predicted_bytes"] >= r["measured_bytes"], detail
     assert r["predicted_bytes"] - r["measured_bytes"] <= allowance(r), detail
 
 
-def test_batched_logprob_spans_prediction_never_below_and_over_by_at_most_its_allowances():
+@pytest.mark.parametrize("linear", LINEARS["float32"])
+def test_batched_logprob_spans_prediction_never_below_and_over_by_at_most_its_allowances(linear):
     """A step of 12 sequences, each with a logprob span over all its rows but its last: the spans
-    run one after another (one LM-head block alive at a time) and every member's outputs stay."""
+    run one after another (one LM-head block alive at a time) and every member's outputs stay.
+    Each linear backend named (auto picks one by timing, so a case left to it differs from run to run)."""
     wide_vocab = dict(CONFIG, vocab_size=32000)
-    r = probe(8192, 512, "float32", "cpu_flash", wide_vocab, "--members", "12", "--logprob-rows", "8191", "--logprob-top-k", "5")
-    assert r["members"] == 12, r
+    r = probe(8192, 512, "float32", "cpu_flash", wide_vocab, "--members", "12", "--logprob-rows", "8191", "--logprob-top-k", "5",
+              "--linear-backend", linear)
+    assert r["members"] == 12 and r["linear_backend"] == linear, r
     detail = f"12 spans, 8192 tokens: predicted {mib(r['predicted_bytes'])} (span {mib(r['predicted_parts']['logprob_span'])}), measured {mib(r['measured_bytes'])}"
     assert r["predicted_bytes"] >= r["measured_bytes"], detail
     assert r["predicted_bytes"] - r["measured_bytes"] <= allowance(r), detail
