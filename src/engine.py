@@ -193,6 +193,24 @@ class Engine:
         states the cache keeps with their K/V (the LM head runs on them; nothing is recomputed)."""
         return self.submit_task("prompt_logprobs", prompt, start=start, top_k=top_k, **options)
 
+    def submit_decide(self, input, questions, *, permutations: int = 1, return_token_ids: bool = False,
+                      **options) -> "Future[DecisionResult]":
+        """Queue one decision call (kind "decisions"): typed questions (contract.decisions.Question)
+        about `input` (a text, or Messages), every question over one shared prefill of the input
+        and each option's whole answer scored; permutations: score each choice and score question
+        under this many cyclic option orders and average (order debiasing). The Future gets a
+        DecisionResult: per question its options' probabilities (summarize() gives the winner, the
+        expected level and the confidence). options: cache_namespace, user, priority, deadline_s."""
+        from .contract.decisions import DecisionCall, Message
+
+        messages = (Message("user", input),) if isinstance(input, str) else tuple(input)
+        call = DecisionCall(messages, tuple(questions), permutations, return_token_ids)
+        return self.submit_task("decisions", call, **options)
+
+    def decide(self, input, questions, **kwargs) -> "DecisionResult":
+        """submit_decide(...).result()."""
+        return self.submit_decide(input, questions, **kwargs).result()
+
     def loglikelihood(self, context, continuations, **kwargs) -> "list[ContinuationScore]":
         """submit_loglikelihood(...).result()."""
         return self.submit_loglikelihood(context, continuations, **kwargs).result()

@@ -46,6 +46,10 @@ class Request:
     logprob_rows: int = 0
     logprob_top_k: int = 0
     item_logprobs: bool = False  # each item's own tokens' logprobs (a span of its length - 1 rows)
+    # a tree: per item, continuations scored over it (each one's first token read from the item's
+    # last row, the rest from a span over its own rows; decisions' options over their question)
+    item_continuations: list[list[list[int]]] | None = None
+    task_state: Any = None  # what the kind keeps from build for its answer (decisions: the call, its rendering)
     namespace: str | None = None  # cache hits never cross namespaces
     priority: int = 0  # higher runs first
     deadline: float | None = None  # scheduler clock time after which it must not start
@@ -62,7 +66,9 @@ class Request:
     @property
     def prompt_tokens(self) -> int:
         """Prompt tokens the request computes (a multi-item request: shared prompt + every item)."""
-        return len(self.token_ids) + (sum(map(len, self.item_ids)) if self.item_ids else 0)
+        items = sum(map(len, self.item_ids)) if self.item_ids else 0
+        continuations = sum(len(c) for cs in self.item_continuations for c in cs) if self.item_continuations else 0
+        return len(self.token_ids) + items + continuations
 
     @property
     def cache_tokens(self) -> int:
@@ -74,11 +80,18 @@ class Request:
         return [len(x) for x in self.item_ids] if self.item_ids is not None else None
 
     @property
+    def continuation_tokens(self) -> list[list[int]] | None:
+        return [[len(c) for c in cs] for cs in self.item_continuations] if self.item_continuations is not None else None
+
+    @property
     def rope_length(self) -> int:
         """The sequence length that picks a length-switched RoPE's factors (LongRoPE): the prompt,
-        or the shared prompt with its longest item (every item of a request computes in the regime
-        of that length; the engine refuses a request whose items fall on both sides)."""
-        return len(self.token_ids) + (max(map(len, self.item_ids)) if self.item_ids else 0)
+        or the shared prompt with its longest item and continuation (every item of a request computes
+        in the regime of that length; the engine refuses a request whose items fall on both sides)."""
+        if not self.item_ids:
+            return len(self.token_ids)
+        conts = self.item_continuations or [[] for _ in self.item_ids]
+        return len(self.token_ids) + max(len(x) + max(map(len, c), default=0) for x, c in zip(self.item_ids, conts))
 
     @property
     def runs_alone(self) -> bool:

@@ -73,6 +73,34 @@ class PrefixKV:
 
 
 @dataclass
+class ChainedPrefix:
+    """One captured prefix after another (a shared prompt's K/V, then an item's own): the prefix a
+    continuation of that item reads, without copying the two into one."""
+
+    first: PrefixKV
+    second: PrefixKV
+
+    @property
+    def length(self) -> int:
+        return self.first.length + self.second.length
+
+    def load(self, layer: int, k_dst: torch.Tensor, v_dst: torch.Tensor) -> None:
+        n = min(self.first.length, k_dst.shape[1])
+        self.first.load(layer, k_dst[:, :n], v_dst[:, :n])
+        if k_dst.shape[1] > n:
+            self.second.load(layer, k_dst[:, n:], v_dst[:, n:])
+
+    def paged(self) -> None:
+        return None
+
+    def hidden(self, start: int, dst: torch.Tensor) -> None:
+        raise ValueError("a captured prefix keeps K/V only: a logprob span must start after it")
+
+    def span_values(self, start: int, n: int) -> None:
+        return None
+
+
+@dataclass
 class CaptureSink:
     """Copies positions [start, end) of every layer into a PrefixKV."""
 

@@ -25,6 +25,9 @@ from .errors import InvalidRequestError
 DEFAULT_MAX_ITEMS = 256  # items (or continuations) of one multi-item request
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 64  # or max_waiting where that is smaller: a request must fit the queue whole
 DEFAULT_MAX_ALLOWED_TOKENS = 256  # allowed output tokens of one request
+# the question and option tokens of one decision call (up to 400 questions: its own bound, not
+# max_items); the work is split into steps under the activation budget either way
+DEFAULT_MAX_DECISION_TOKENS = 1 << 18
 DEFAULT_MAX_WAITING = 1024  # waiting requests beyond this are refused at once ("overloaded")
 # max_input_len: the checkpoint's context length unless set (resolve_max_input_len)
 # max_prompt_bytes: max_input_len x the longest token's bytes unless set (derived_max_prompt_bytes)

@@ -53,6 +53,9 @@ INPUT_TENSORS = (
 # prompt); or the prompt's own tokens' log-probabilities from `logprobs_start` on (with the `top_k`
 # there). The engine's registry of kinds (prefillonly.tasks) answers these and any registered since.
 SCORE, LOGLIKELIHOOD, PROMPT_LOGPROBS = "score", "loglikelihood", "prompt_logprobs"
+# typed decisions: text_input is one decision call's JSON (contract/decisions.py DecisionCall),
+# result_json its DecisionResult
+DECIDE = "decide"
 # Outputs, one element per result (prompts, or items of a multi-item call) in order; the allowed
 # tokens' probabilities row-major (result i's k allowed tokens in the order asked). A loglikelihood
 # or prompt_logprobs answer has result_json (a ContinuationScore or PromptLogprobs each),

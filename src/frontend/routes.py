@@ -6,6 +6,9 @@
     POST /v1/score               SGLang scoring            {scores[[p per label]], model, usage, object: "scoring"}
     POST /score (/v1/score with `text_1`)  vLLM score      {id, object: "list", model, data[{index, object, score}], usage}
     POST /generative_scoring     vLLM generative scoring   {id, object: "list", model, data[{index, object, score}], usage}
+    POST /v1/decisions           OpenAI decisions          {id, object: "decision", model, answers[], usage}
+    POST /v1/systemone           System One decisions      {id, object: "systemone", model, answers{id: ...}, usage}
+                                 (both: frontend/decisions.py; one engine request per call)
     POST /v1/completions         OpenAI, one token         {id, object: "text_completion", choices[{text, logprobs}], usage}
                                  (echo + logprobs: the prompt's own tokens scored, frontend/echo.py)
     GET  /v1/models              the presets and the raw model
@@ -35,6 +38,7 @@ from pydantic import ValidationError
 
 from ..contract.errors import PrefillOnlyError
 from ..contract.wire import INTERNAL, USER_HEADER, ScoreResult
+from .decisions import OPENAI_FIELDS, SYSTEMONE_FIELDS, openai_answer, openai_call, systemone_answer, systemone_call, usage
 from .documents import document_text, returned_document
 from .echo import echo_choice
 from .error_shapes import APIError, error_response, validation_message
@@ -52,7 +56,7 @@ def build_app(scoring: Scoring) -> FastAPI:
     app = FastAPI(title="prefillonly scoring APIs", docs_url=None, redoc_url=None)
     _handle_errors(app)
     _report_headers(app)
-    for routes in (health_routes, rerank_routes, cohere_routes, score_routes, completion_routes):
+    for routes in (health_routes, rerank_routes, cohere_routes, score_routes, completion_routes, decision_routes):
         app.include_router(routes(scoring))
     return app
 
@@ -78,7 +82,7 @@ def _handle_errors(app: FastAPI) -> None:
 
     @app.exception_handler(PrefillOnlyError)
     async def _refused(request: Request, e: PrefillOnlyError):  # the rendering's refusals (a document too long)
-        return error_response(_style(request), APIError(str(e), code=e.code))
+        return error_response(_style(request), APIError(str(e), code=e.code, param=getattr(e, "param", None)))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):  # a bug: still an answer in the API's shape
@@ -415,6 +419,54 @@ def _prompts(prompt) -> list:
     if not prompt:
         raise APIError("prompt is empty", param="prompt")
     return [prompt] if isinstance(prompt[0], int) else list(prompt)
+
+
+# -- decisions -------------------------------------------------------------------------------------
+def decision_routes(scoring: Scoring) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/decisions")
+    async def openai_decisions(request: Request):
+        body = await _json(request)
+        call = openai_call(body)
+        model = _decision_model(scoring, request, body, OPENAI_FIELDS)
+        result = await _decide(scoring, call, _user(request, body.get("prompt_cache_key") or body.get("user")))
+        return {"id": _new_id("dec"), "object": "decision", "created_at": int(time.time()), "model": model,
+                "answers": [openai_answer(q, a) for q, a in zip(call.questions, result.answers)], "usage": usage(result),
+                "template": result.template}
+
+    @router.post("/v1/systemone")
+    async def systemone(request: Request):
+        body = await _json(request)
+        call, ids = systemone_call(body)
+        model = _decision_model(scoring, request, body, SYSTEMONE_FIELDS)
+        result = await _decide(scoring, call, _user(request, body.get("user")))
+        return {"id": _new_id("s1"), "object": "systemone", "created": int(time.time()), "model": model,
+                "answers": {i: systemone_answer(q, a) for i, q, a in zip(ids, call.questions, result.answers)},
+                "usage": {"input_tokens": result.input_tokens, "output_tokens": 0, "cached_tokens": result.cached_tokens},
+                "template": result.template}
+
+    return router
+
+
+def _decision_model(scoring: Scoring, request: Request, body: dict, fields: frozenset) -> str:
+    """The served model the body names (404 listing them otherwise); the fields ignored go back
+    in the answer's header."""
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise APIError("required: the served model's name", param="model")
+    scoring.preset(model, for_rerank=False)
+    request.state.ignored = sorted(set(body) - fields)
+    return model
+
+
+async def _decide(scoring: Scoring, call, user: str | None):
+    try:
+        return await scoring.decide(call, user)
+    except APIError as e:
+        if e.code == "prompt_too_long":
+            e.param = "input"
+        raise
 
 
 # -- what every route shares -----------------------------------------------------------------------

@@ -9,6 +9,7 @@ import asyncio
 import math
 from dataclasses import dataclass, field
 
+from ..contract.decisions import DecisionCall, DecisionResult
 from ..contract.limits import DEFAULT_MAX_ITEMS
 from ..contract.wire import ScoreResult, TokenScore
 from .error_shapes import APIError
@@ -125,6 +126,11 @@ class Scoring:
         scored = _scored(results, pairs, results[0].cached_tokens if results else 0)
         scored.truncated = list(rendered.truncated)
         return scored
+
+    # -- decisions ------------------------------------------------------------------------------
+    async def decide(self, call: DecisionCall, user: str | None) -> DecisionResult:
+        """One engine request for the whole call: its input rendered once, every question over it."""
+        return await self._call(self.upstream.decide(call.to_json(), user=user))
 
     # -- completions ----------------------------------------------------------------------------
     async def complete(self, prompts: list, allowed_ids: list[int] | None, top_k: int, user: str | None) -> list[ScoreResult]:

@@ -25,8 +25,9 @@ import grpc
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from ..contract.wire import (INTERNAL, MODEL, PROMPT_LOGPROBS, RESULT_JSON, UNAVAILABLE, PromptLogprobs, ScoreResult, code_of,
-                    decode_answers, infer_inputs, request_fields, routing_headers)
+from ..contract.decisions import DecisionResult
+from ..contract.wire import (DECIDE, INTERNAL, MODEL, PROMPT_LOGPROBS, RESULT_JSON, UNAVAILABLE, PromptLogprobs, ScoreResult, code_of,
+                    decode_answers, infer_inputs, request_fields, result_documents, routing_headers)
 
 
 class UpstreamError(Exception):
@@ -101,12 +102,17 @@ class TritonUpstream:
                     for p in prompts]
         return [r[0] for r in await self._stream(requests, user)]
 
+    async def decide(self, call_json: str, *, user: str | None = None, priority: int = 0) -> DecisionResult:
+        """One decision call (the decide task: its questions over one shared prefill of its input)."""
+        fields = request_fields(call_json, [], task=DECIDE, priority=priority or None, user=user or None)
+        return (await self._stream([self._request(fields)], user, decode=_decisions))[0][0]
+
     # -- plumbing ------------------------------------------------------------------------------
     def _request(self, fields: dict) -> dict:
         return {"model_name": self.model, "inputs": infer_inputs(grpcclient, fields), "request_id": str(next(self._ids)),
                 "outputs": [grpcclient.InferRequestedOutput(RESULT_JSON)]}
 
-    async def _stream(self, requests: list[dict], user: str | None) -> list[list[ScoreResult]]:
+    async def _stream(self, requests: list[dict], user: str | None, decode=decode_answers) -> list[list[ScoreResult]]:
         """Send `requests` on one stream; each one's results, in order. The first error fails the
         call (UpstreamError); the stream is cancelled, which takes the rest out of the engine's
         queue."""
@@ -124,7 +130,7 @@ class TritonUpstream:
                 if error is not None:
                     raise _error_of(error)
                 rid = result.get_response().id
-                answers[rid] = decode_answers(result.as_numpy(RESULT_JSON).reshape(-1))
+                answers[rid] = decode(result.as_numpy(RESULT_JSON).reshape(-1))
                 if len(answers) == len(requests):
                     break
         except UpstreamError:
@@ -138,3 +144,7 @@ class TritonUpstream:
         if len(answers) < len(requests):
             raise UpstreamError(UNAVAILABLE, f"{UNAVAILABLE}: the engine's stream ended before every answer came back")
         return [answers[r["request_id"]] for r in requests]
+
+
+def _decisions(values) -> list[DecisionResult]:
+    return [DecisionResult.from_dict(d) for d in result_documents(values)]

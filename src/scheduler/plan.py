@@ -48,6 +48,9 @@ class Schedulable(Protocol):
     logprob_rows: int  # rows of the prompt's logprob span (0: none)
     logprob_top_k: int  # top tokens per row of that span
     item_logprobs: bool  # a multi-item request wants each item's own tokens' logprobs (a span of len - 1 rows)
+    # per item, the lengths of the continuations scored over it (a tree: decisions' options over their
+    # question); None: items only
+    continuation_tokens: list[list[int]] | None
     priority: int
     deadline: float | None  # clock() time after which it must not start
     # written by the scheduler when it is added
@@ -74,6 +77,7 @@ class WaitingRequest:
     logprob_rows: int = 0
     logprob_top_k: int = 0
     item_logprobs: bool = False
+    continuation_tokens: list[list[int]] | None = None
     arrived: float = 0.0
     seq: int = 0
     frozen_estimate_s: float = 0.0
@@ -126,11 +130,14 @@ class StepMember:
 @dataclass(frozen=True)
 class ItemsPlan:
     """How a multi-item request runs: its shared prompt once (K/V captured), then its items in
-    `groups` (item indices per forward) over that K/V."""
+    `groups` (item indices per forward) over that K/V; after each group, its items' continuations
+    (if any) in `continuations[g]`: (item, continuation) pairs per forward, each over the shared
+    K/V and its item's own (captured in the group's forward)."""
 
     shared_inplace: bool
     items_inplace: bool
     groups: list[list[int]]
+    continuations: list[list[list[tuple[int, int]]]] | None = None
 
 
 @dataclass(eq=False)

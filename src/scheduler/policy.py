@@ -241,14 +241,15 @@ class Scheduler:
         """OverBudgetError if `req` could not run even alone with nothing cached (no item groups:
         those are planned when it is picked)."""
         if req.item_tokens is not None:
-            item_modes(self.budget, req.cache_tokens, 0, req.item_tokens, req.item_logprobs)
+            item_modes(self.budget, req.cache_tokens, 0, req.item_tokens, req.item_logprobs, req.continuation_tokens)
         else:
             attention_in_place(self.budget, [TokenSplit(req.prompt_tokens, 0)], logprob_spans=[span_of(req)])
 
     def _plan_forward(self, req: Schedulable, cached: int):
         """(attention in place, ItemsPlan or None) for `req` run alone with `cached` tokens read."""
         if req.item_tokens is not None:
-            return False, plan_items(self.budget, req.cache_tokens, cached, req.item_tokens, req.item_logprobs)
+            return False, plan_items(self.budget, req.cache_tokens, cached, req.item_tokens, req.item_logprobs,
+                                     req.continuation_tokens)
         return attention_in_place(self.budget, [TokenSplit(req.prompt_tokens - cached, cached)],
                                   logprob_spans=[span_of(req)]), None
 

@@ -5,7 +5,7 @@
     request.kind.result(...)               # the runner: the forward's rows -> the answer
     kind.to_outputs(results)               # the protocol: answers -> output tensors
 
-A kind is one module (score.py, items.py, loglikelihood.py, prompt_logprobs.py; base.py says what
+A kind is one module (score.py, items.py, loglikelihood.py, prompt_logprobs.py, decide.py; base.py says what
 each provides); adding one is a module plus `register(...)`, nothing else.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from ..contract.errors import InvalidRequestError
 from .base import RequestKind, RowOutput, SubmitContext
+from .decide import DecisionsKind
 from .items import ItemsKind
 from .loglikelihood import LoglikelihoodKind
 from .prompt_logprobs import PromptLogprobsKind
@@ -64,7 +65,7 @@ def kind_for(task: str, has_items: bool) -> RequestKind:
     raise InvalidRequestError(f"task {task!r} needs {kinds[0].items_phrase} as items (texts) or item_ids with item_lengths")
 
 
-for _kind in (ScoreKind(), ItemsKind(), LoglikelihoodKind(), PromptLogprobsKind()):
+for _kind in (ScoreKind(), ItemsKind(), LoglikelihoodKind(), PromptLogprobsKind(), DecisionsKind()):
     register(_kind)
 
 __all__ = ["RequestKind", "RowOutput", "SubmitContext", "register", "unregister", "kind_named", "kind_for", "wire_tasks"]

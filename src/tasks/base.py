@@ -74,6 +74,11 @@ class RequestKind:
         """Item `index`'s answer from its rows of an item group's forward."""
         raise NotImplementedError
 
+    def items_done(self, request: Request, results: list, cached_tokens: int):
+        """A multi-item request's answer from its items' results, in item order (the list itself;
+        a kind whose items make one answer together, as decisions' questions do, builds it here)."""
+        return results
+
     def to_outputs(self, results: list) -> dict[str, np.ndarray]:
         """The output tensors of one Triton request's answers (result_json and the token counts;
         a kind may add its own columns)."""

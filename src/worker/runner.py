@@ -22,7 +22,7 @@ import torch
 from ..cache.prefix_cache import NO_PREFIX, PrefixAccess, PrefixCache
 from .executor import ForwardBatch, HybridPrefillExecutor, Sequence
 from .memory import PeakMemoryMeter
-from ..cache.prefix_io import PrefixKV
+from ..cache.prefix_io import ChainedPrefix, PrefixKV
 from ..request import Request
 from ..scheduler import ItemsPlan, StepOutcome, StepPlan, TokenSplit
 from ..tasks.base import RowOutput
@@ -66,7 +66,7 @@ class PrefillRunner:
 
     def _run_items(self, request: Request, access: PrefixAccess, items_plan: ItemsPlan) -> StepOutcome:
         """The shared prompt once (its K/V captured for this request only, whatever the cache
-        budget), then the items in the plan's groups."""
+        budget), then the items in the plan's groups; a tree's continuations after each group."""
         shared, items = request.token_ids, request.item_ids
         p = access.cached_tokens
         regime = request.rope_length  # the shared part and every item rotate as its longest item does
@@ -74,19 +74,42 @@ class PrefillRunner:
             ForwardBatch([_uncached_sequence(shared, access, capture=(0, len(shared)), rope_length=regime)]), self.chunk_size,
             items_plan.shared_inplace)
         shared_kv: PrefixKV = shared_out.captured[0]
-        spans = request.item_logprobs  # each item's own tokens after the first (log-likelihood)
+        continuations = request.item_continuations
+        spans = request.item_logprobs and continuations is None  # each item's own tokens after the first (log-likelihood)
         context = request.kind.items_context(shared_out.logits[0])
         results = []
-        for group in items_plan.groups:
+        for g_index, group in enumerate(items_plan.groups):
             self.meter.start()
             out = self.executor.forward_batch(
                 ForwardBatch([Sequence(torch.tensor(items[j], dtype=torch.long), prefix=shared_kv, rope_length=regime,
-                                       logprob_rows=len(items[j]) - 1 if spans else 0) for j in group]),
+                                       logprob_rows=len(items[j]) - 1 if spans else 0,
+                                       capture=(len(shared), len(shared) + len(items[j])) if continuations and continuations[j] else None)
+                              for j in group]),
                 self.chunk_size, items_plan.items_inplace)
             peak = self.meter.peak_growth()
-            results += [request.kind.item_result(request, j, context, RowOutput(out.logits[g], out.spans[g], p, peak),
-                                                 self.token_text) for g, j in enumerate(group)]
-        return StepOutcome([results], item_tokens=sum(map(len, items)))
+            tree = self._run_continuations(request, shared_kv, dict(zip(group, out.captured)), items_plan.continuations[g_index],
+                                           regime, items_plan.items_inplace) if continuations else {}
+            results += [request.kind.item_result(request, j, context,
+                                                 RowOutput(out.logits[g], tree.get(j, out.spans[g]), p, peak), self.token_text)
+                        for g, j in enumerate(group)]
+        computed = sum(map(len, items)) + (sum(len(c) for cs in continuations for c in cs) if continuations else 0)
+        return StepOutcome([request.kind.items_done(request, results, p)], item_tokens=computed)
+
+    def _run_continuations(self, request: Request, shared_kv: PrefixKV, item_kv: dict, forwards: list[list[tuple[int, int]]],
+                           regime: int, inplace: bool) -> dict[int, list]:
+        """Each item's continuations over the shared K/V and the item's own, in the plan's forwards:
+        per item, one logprob span per continuation (its tokens after the first; None for one token)."""
+        continuations = request.item_continuations
+        spans = {j: [None] * len(continuations[j]) for j in item_kv if continuations[j]}
+        for pairs in forwards:
+            out = self.executor.forward_batch(
+                ForwardBatch([Sequence(torch.tensor(continuations[j][c], dtype=torch.long),
+                                       prefix=ChainedPrefix(shared_kv, item_kv[j]), rope_length=regime,
+                                       logprob_rows=len(continuations[j][c]) - 1) for j, c in pairs]),
+                self.chunk_size, inplace)
+            for (j, c), span in zip(pairs, out.spans):
+                spans[j][c] = span if len(continuations[j][c]) > 1 else None
+        return spans
 
 
 def _uncached_sequence(ids: list[int], access: PrefixAccess, capture: tuple[int, int] | None = None,

@@ -312,6 +312,27 @@ def test_item_groups_keep_order_and_both_budgets(seed):
             assert budget.admits(shape, captured=shared) and not plan.items_inplace
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_a_tree_plans_each_continuation_once_after_its_item_within_both_budgets(seed):
+    """plan_items with continuations (decisions' options over their question): items as before; after
+    each group, every continuation of its items exactly once, in order, a forward of several within
+    the token budget and (the shared prompt and the group's item K/Vs held) the memory budget."""
+    rng = random.Random(seed)
+    items = [rng.randint(1, 200) for _ in range(rng.randint(1, 20))]
+    conts = [[rng.randint(1, 30) for _ in range(rng.choice([0, 2, 5]))] for _ in items]
+    shared = rng.randint(1, 300)
+    budget = StepBudget(rng.choice([1, 300, 1000, 4096]), rng.choice([None, InPlaceMemory()]))
+    plan = plan_items(budget, shared, 0, items, continuations=conts)
+    assert [j for g in plan.groups for j in g] == list(range(len(items)))
+    for group, forwards in zip(plan.groups, plan.continuations, strict=True):
+        assert [p for f in forwards for p in f] == [(j, c) for j in group for c in range(len(conts[j]))]
+        held = shared + sum(items[j] for j in group if conts[j])
+        for f in forwards:
+            if len(f) > 1:
+                assert sum(conts[j][c] for j, c in f) <= budget.tokens
+                assert budget.admits([TokenSplit(conts[j][c], shared + items[j]) for j, c in f], captured=held)
+
+
 def test_step_cost_model_recovers_its_coefficients():
     a, b, k = 0.02, 2e-4, 3e-8
     est = JctEstimator()

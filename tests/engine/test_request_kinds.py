@@ -105,5 +105,5 @@ def test_the_built_in_kinds_answer_the_wire_tasks():
     assert [tasks.kind_for(t, i).name for t, i in (("score", False), ("score", True), ("loglikelihood", True),
                                                    ("prompt_logprobs", False))] == \
         ["score", "items", "loglikelihood", "prompt_logprobs"]
-    with pytest.raises(InvalidRequestError, match="unknown task 'generate'; choose one of score, loglikelihood, prompt_logprobs"):
+    with pytest.raises(InvalidRequestError, match="unknown task .generate.; choose one of score, loglikelihood, prompt_logprobs, decide"):
         tasks.kind_for("generate", False)

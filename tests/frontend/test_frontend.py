@@ -16,7 +16,7 @@ from prefillonly.frontend.presets import PRESETS_FILE
 from prefillonly.serving.host.prometheus import scrape_metrics
 from prefillonly.contract.wire import USER_HEADER
 
-from ..serving.test_faults import REPO, supervised
+from ..serving.test_faults import REPO, assert_still_serving, supervised
 from .test_frontend_presets import published_qwen3_ids
 
 QUERY = "What is the capital of France? The user wants a short factual answer about European geography."
@@ -367,3 +367,104 @@ def test_a_killed_frontend_is_restarted_by_the_supervisor(stack):
             if status == 200:
                 break
     assert status == 200 and stack.frontend is not old, (status, out)
+
+
+# -- decisions -------------------------------------------------------------------------------------
+DECISION_INPUT = "Order 1182: the parcel came two days late, the box was torn, but the blender inside works well."
+OPENAI_QUESTIONS = [
+    {"type": "predicate", "name": "late", "instructions": "Was the delivery late?"},
+    {"type": "choice", "name": "dept", "instructions": [{"type": "input_text", "text": "Who should handle this?"}],
+     "choices": [{"value": "customer support", "description": "complaints"}, {"value": "logistics and shipping"},
+                 {"value": True}, {"value": "true"}]},
+    {"type": "score", "instructions": "How satisfied is the customer?",
+     "levels": [{"label": "unhappy"}, {"label": "neutral", "description": "neither"}, {"label": "happy"}]},
+]
+
+
+def _canonical(questions):
+    from prefillonly.frontend.decisions import openai_call
+
+    return openai_call({"input": DECISION_INPUT, "questions": questions}).questions
+
+
+def test_openai_sdk_decisions_equal_the_engine_and_system_one(stack, engine):
+    """The SDK's strict parse of our answer; every probability equal to the engine's decide() on the
+    same questions (and with them to transformers': tests/engine/test_decisions.py); System One's
+    shape of the same questions gives the same numbers."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused")
+    reply = client.decisions.create(model="prefillonly", input=DECISION_INPUT, questions=OPENAI_QUESTIONS,
+                                    prompt_cache_key="decisions-test", extra_body={"return_token_ids": True})
+    want = engine.decide(DECISION_INPUT, _canonical(OPENAI_QUESTIONS), return_token_ids=True)
+    assert [a.type for a in reply.answers] == ["predicate", "choice", "score"]
+    assert [a.name for a in reply.answers] == ["late", "dept", None]
+    assert reply.answers[0].probability == pytest.approx(want.answers[0].probabilities[0], abs=TOL)
+    choice = reply.answers[1]
+    assert [p.value for p in choice.probabilities] == ["customer support", "logistics and shipping", True, "true"]
+    assert [p.probability for p in choice.probabilities] == pytest.approx(want.answers[1].probabilities, abs=TOL)
+    assert choice.choice == choice.probabilities[max(range(4), key=lambda i: choice.probabilities[i].probability)].value
+    score = reply.answers[2]
+    assert [(p.value, p.label) for p in score.probabilities] == [(0, "unhappy"), (1, "neutral"), (2, "happy")]
+    assert score.score == pytest.approx(sum(p.value * p.probability for p in score.probabilities), abs=1e-9)
+    assert 0 <= choice.confidence <= 1 and 0 <= score.confidence <= 1
+    raw = reply.model_extra or {}
+    assert reply.usage.input_tokens == want.input_tokens and reply.usage.output_tokens == 0
+    assert reply.usage.total_tokens == reply.usage.input_tokens and raw.get("template") == "decisions-v1"
+    assert reply.answers[1].model_extra["prompt_token_ids"] == list(want.answers[1].prompt_token_ids)
+    again = client.decisions.create(model="prefillonly", input=DECISION_INPUT, questions=OPENAI_QUESTIONS,
+                                    prompt_cache_key="decisions-test")
+    assert 0 < again.usage.input_tokens_details.cached_tokens < again.usage.input_tokens
+    status, s1 = post(f"{stack.http_url}/v1/systemone", {
+        "model": "prefillonly", "state": DECISION_INPUT, "questions": {
+            "late": {"type": "noul", "instructions": "Was the delivery late?"},
+            "sat": {"type": "score", "instructions": "How satisfied is the customer?", "criteria": ["unhappy", "neutral", "happy"]}}})
+    assert status == 200, s1
+    alone = engine.decide(DECISION_INPUT, [_canonical(OPENAI_QUESTIONS)[0], _canonical([
+        {"type": "score", "instructions": "How satisfied is the customer?",
+         "levels": [{"label": "unhappy"}, {"label": "neutral"}, {"label": "happy"}]}])[0]])
+    assert s1["answers"]["late"]["noul"] == pytest.approx(alone.answers[0].probabilities[0], abs=TOL)
+    assert s1["answers"]["sat"]["legend"] == {"0": "unhappy", "1": "neutral", "2": "happy"}
+    assert [s1["answers"]["sat"]["probabilities"][k] for k in "012"] == pytest.approx(alone.answers[1].probabilities, abs=TOL)
+
+
+def test_langchain_openai_decisions_invoke(stack):
+    from langchain_openai import OpenAIDecisions
+    from langchain_openai.decisions.types import Choice, Predicate, Score
+
+    decide = OpenAIDecisions(model="prefillonly", base_url=f"{stack.http_url}/v1", api_key="unused")
+    out = decide.invoke({"input": DECISION_INPUT, "questions": {
+        "late": Predicate(instructions="Was the delivery late?"),
+        "dept": Choice(instructions="Who should handle this?", choices={"billing": "payments", "shipping": None}),
+        "sat": Score(instructions="How satisfied is the customer?", levels=["unhappy", "neutral", "happy"])}})
+    assert set(out.answers) == {"late", "dept", "sat"}
+    assert sum(out.answers["dept"].probabilities.values()) == pytest.approx(1)
+    assert out.answers["sat"].legend == {0: "unhappy", 1: "neutral", 2: "happy"} and out.usage.input_tokens > 0
+
+
+_Q = {"type": "predicate", "instructions": "Late?"}
+
+
+@pytest.mark.parametrize("body,param,match", [
+    ({"input": "x", "questions": []}, "questions", "at least one"),
+    ({"input": "x", "questions": [_Q] * 401}, "questions", "401 questions"),
+    ({"input": "x", "questions": [_Q, {"type": "choice", "instructions": "q", "choices": [{"value": "a"}]}]},
+     "questions[1].choices", "2 to 255"),
+    ({"input": "x", "questions": [{"type": "choice", "instructions": "q", "choices": [{"value": str(i)} for i in range(256)]}]},
+     "questions[0].choices", "2 to 255"),
+    ({"input": "x", "questions": [{"type": "choice", "instructions": "q", "choices": [{"value": "a"}, {"value": "a"}]}]},
+     "questions[0].choices[1]", "twice"),
+    ({"input": "x", "questions": [{"type": "score", "instructions": "q", "levels": [{"label": "low"}]}]},
+     "questions[0].levels", "2 to 10"),
+    ({"input": "x", "questions": [{"type": "score", "instructions": "q", "levels": [{"label": str(i)} for i in range(11)]}]},
+     "questions[0].levels", "2 to 10"),
+    ({"input": "x", "questions": [{"type": "ranking", "instructions": "q"}]}, "questions[0].type", "unknown question type"),
+    ({"input": "x", "questions": [{"type": "predicate"}]}, "questions[0].instructions", "instructions"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}], "questions": [_Q]},
+     "input[0].content[0]", "text only"),
+    ({"input": "word " * 9000, "questions": [_Q]}, "input", "over this model's limit"),
+])
+def test_bad_decision_calls_are_refused_naming_the_field(stack, body, param, match):
+    status, reply = post(f"{stack.http_url}/v1/decisions", {"model": "prefillonly", **body})
+    assert status == 400 and reply["error"]["param"] == param and match in reply["error"]["message"], reply
+    assert_still_serving(stack)
