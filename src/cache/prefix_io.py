@@ -49,18 +49,8 @@ class KVSink(Protocol):
         """Take what it keeps of a logprob span's values ([n, 3]) for tokens [first_token, + n)."""
 
 
-@dataclass
-class PrefixKV:
-    keys: list[torch.Tensor]  # per layer [kv_heads, length, head_dim], RoPE already applied
-    values: list[torch.Tensor]  # per layer [kv_heads, length, head_dim]
-
-    @property
-    def length(self) -> int:
-        return self.keys[0].shape[1] if self.keys else 0
-
-    def load(self, layer: int, k_dst: torch.Tensor, v_dst: torch.Tensor) -> None:
-        k_dst.copy_(self.keys[layer][:, : k_dst.shape[1]])
-        v_dst.copy_(self.values[layer][:, : v_dst.shape[1]])
+class _CapturedOnly:
+    """A captured prefix's answers beyond its K/V: none (no pool blocks, no hidden states, no span values)."""
 
     def paged(self) -> None:
         return None
@@ -73,7 +63,21 @@ class PrefixKV:
 
 
 @dataclass
-class ChainedPrefix:
+class PrefixKV(_CapturedOnly):
+    keys: list[torch.Tensor]  # per layer [kv_heads, length, head_dim], RoPE already applied
+    values: list[torch.Tensor]  # per layer [kv_heads, length, head_dim]
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[1] if self.keys else 0
+
+    def load(self, layer: int, k_dst: torch.Tensor, v_dst: torch.Tensor) -> None:
+        k_dst.copy_(self.keys[layer][:, : k_dst.shape[1]])
+        v_dst.copy_(self.values[layer][:, : v_dst.shape[1]])
+
+
+@dataclass
+class ChainedPrefix(_CapturedOnly):
     """One captured prefix after another (a shared prompt's K/V, then an item's own): the prefix a
     continuation of that item reads, without copying the two into one."""
 
@@ -89,15 +93,6 @@ class ChainedPrefix:
         self.first.load(layer, k_dst[:, :n], v_dst[:, :n])
         if k_dst.shape[1] > n:
             self.second.load(layer, k_dst[:, n:], v_dst[:, n:])
-
-    def paged(self) -> None:
-        return None
-
-    def hidden(self, start: int, dst: torch.Tensor) -> None:
-        raise ValueError("a captured prefix keeps K/V only: a logprob span must start after it")
-
-    def span_values(self, start: int, n: int) -> None:
-        return None
 
 
 @dataclass
