@@ -73,11 +73,21 @@ def mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
+# (tokens, chunk) per dtype. 16K tokens in float32 only: where bf16 matmuls are emulated (AVX2, AVX-512
+# without BF16) a 16K bf16 forward takes minutes, and 8K already checks bf16's buffers; the float32 16K
+# case checks the prediction as the length doubles.
+SHAPES = {"bfloat16": [(8192, 512), (8192, 0)], "float32": [(8192, 512), (8192, 0), (16384, 512)]}
+
+
 @pytest.fixture(scope="module")
 def runs():
-    cases = [(n, c, dt, lin) for n in (8192, 16384) for c in (512, 0) for dt in ("bfloat16", "float32") for lin in LINEARS[dt]
-             if not (n == 16384 and c == 0)]
+    cases = [(n, c, dt, lin) for dt, shapes in SHAPES.items() for n, c in shapes for lin in LINEARS[dt]]
     return {case: probe(*case[:3], "cpu_flash", CONFIG, "--linear-backend", case[3]) for case in cases}
+
+
+def run_cases(chunked_only: bool = False):
+    return [pytest.param(n, c, dt, lin, id=f"{n}-{c}-{dt}-{lin}") for dt, shapes in SHAPES.items() for n, c in shapes
+            if not (chunked_only and c == 0) for lin in ("aten", "onednn")]
 
 
 def linear_cases(dtypes=("bfloat16", "float32")):
@@ -96,8 +106,7 @@ def test_chunking_cuts_peak_to_a_third(runs, dtype, linear):
     assert chunked <= unchunked / 3, f"chunk 512: {mib(chunked)} vs unchunked {mib(unchunked)}"
 
 
-@pytest.mark.parametrize("tokens,chunk", [(8192, 512), (16384, 512), (8192, 0)])
-@pytest.mark.parametrize("dtype,linear", linear_cases())
+@pytest.mark.parametrize("tokens,chunk,dtype,linear", run_cases())
 def test_prediction_never_below(runs, tokens, chunk, dtype, linear):
     _runs_on(linear, dtype)
     r = runs[(tokens, chunk, dtype, linear)]
@@ -105,15 +114,13 @@ def test_prediction_never_below(runs, tokens, chunk, dtype, linear):
     assert r["predicted_bytes"] >= r["measured_bytes"], f"predicted {mib(r['predicted_bytes'])}, measured {mib(r['measured_bytes'])}"
 
 
-@pytest.mark.parametrize("tokens", [8192, 16384])
-@pytest.mark.parametrize("dtype,linear", linear_cases())
-def test_chunked_prediction_over_by_at_most_its_allowances(runs, tokens, dtype, linear):
+@pytest.mark.parametrize("tokens,chunk,dtype,linear", run_cases(chunked_only=True))
+def test_chunked_prediction_over_by_at_most_its_allowances(runs, tokens, chunk, dtype, linear):
     """Chunked, as the engine runs by default. (Unchunked, one 8K chunk, came out ~1 MiB further
     over, 2.3 MiB of 260, on an AVX2 host; torch's own allocation trace (profiler) matched the
     plan within 0.3 MiB there, so the gap is RSS below what torch allocated, not yet explained:
     only "never below" is asserted for it.)"""
     _runs_on(linear, dtype)
-    chunk = 512
     r = runs[(tokens, chunk, dtype, linear)]
     assert r["attention_backend"] == "cpu_flash" and r["heap_trimmed"] and r["mmap_pinned"], r
     over = r["predicted_bytes"] - r["measured_bytes"]
