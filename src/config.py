@@ -24,7 +24,7 @@ from .hardware import resolve_dtype
 from .kernels.attention import BACKENDS
 from .kernels.linear import LINEAR_BACKENDS
 from .kernels.score_head import HEAD_DTYPES
-from .contract.limits import DEFAULT_MAX_ALLOWED_TOKENS, DEFAULT_MAX_ITEMS, DEFAULT_MAX_WAITING, default_max_prompts
+from .contract.limits import DEFAULT_MAX_ALLOWED_TOKENS, DEFAULT_MAX_DECISION_TOKENS, DEFAULT_MAX_ITEMS, DEFAULT_MAX_WAITING, default_max_prompts
 from .contract.paths import default_cache_dir
 from .scheduler.policy import DEFAULT_LAMBDA_TOKENS_PER_S, POLICIES
 from .contract.setting_strings import is_unset, optional_int
@@ -75,6 +75,7 @@ class EngineConfig:
     max_items: int = DEFAULT_MAX_ITEMS  # most items one multi-item request may carry
     max_prompts_per_request: int | None = None  # most prompts (text_input values) in one server request; None = 64 or max_waiting if smaller
     max_allowed_tokens: int = DEFAULT_MAX_ALLOWED_TOKENS  # most allowed output tokens in one request
+    max_decision_tokens: int = DEFAULT_MAX_DECISION_TOKENS  # most question + option tokens in one decision call
     max_prompt_bytes: int | None = None  # bytes of one prompt/item text; None = max_input_len x the longest token's bytes
     scheduling_policy: str = "csjf"  # fcfs | sjf | csjf (continuous JCT-calibrated SJF, dependency groups) | csjf-independent
     lambda_tokens_per_s: float = DEFAULT_LAMBDA_TOKENS_PER_S  # csjf starvation guard (the paper's): tokens of credit per second waited
@@ -114,6 +115,8 @@ class EngineConfig:
         if self.max_prompts_per_request is None:
             self.max_prompts_per_request = default_max_prompts(self.max_waiting)
         self.max_allowed_tokens = optional_int("max_allowed_tokens", self.max_allowed_tokens, minimum=1) or DEFAULT_MAX_ALLOWED_TOKENS
+        self.max_decision_tokens = (optional_int("max_decision_tokens", self.max_decision_tokens, minimum=1)
+                                    or DEFAULT_MAX_DECISION_TOKENS)
         self.max_prompt_bytes = optional_int("max_prompt_bytes", self.max_prompt_bytes, minimum=1)
         self.max_batch_tokens = optional_int("max_batch_tokens", self.max_batch_tokens, minimum=1)
         if self.max_prompts_per_request > self.max_waiting:

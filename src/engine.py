@@ -125,7 +125,8 @@ class Engine:
         self.limits = _request_limits(self.config, self.max_input_len, tokenizer)
         self.encoder = PromptEncoder(tokenizer, self.spec.vocab_size, self.limits)
         # a request the engine's own Triton model checked against self.limits is not checked again
-        self._submit_contexts = {checked: tasks.SubmitContext(encoder, self.spec, self.max_input_len)
+        self._submit_contexts = {checked: tasks.SubmitContext(encoder, self.spec, self.max_input_len,
+                                                               self.config.max_decision_tokens)
                                  for checked, encoder in ((False, self.encoder), (True, self.encoder.trusting()))}
 
     # -- public API -------------------------------------------------------------------

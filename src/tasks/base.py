@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..contract.errors import InvalidRequestError
+from ..contract.limits import DEFAULT_MAX_DECISION_TOKENS
 from ..contract.wire import RESULT_JSON
 from ..request import Request, check_length
 
@@ -33,6 +34,7 @@ class SubmitContext:
     encoder: Any  # prompts.PromptEncoder
     spec: Any  # model.spec.ModelSpec
     max_input_len: int
+    max_decision_tokens: int = DEFAULT_MAX_DECISION_TOKENS  # question + option tokens of one decision call
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ import math
 
 from ..contract.decisions import Answer, DecisionCall, DecisionError, DecisionResult
 from ..contract.errors import PromptTooLongError
-from ..contract.limits import DEFAULT_MAX_DECISION_TOKENS
 from ..contract.wire import DECIDE
 from ..request import Request
 from .base import RequestKind, RowOutput, SubmitContext
@@ -27,7 +26,7 @@ class DecisionsKind(RequestKind):
     wire_task = DECIDE
     options = ("priority",)
 
-    def build(self, ctx: SubmitContext, prompt, *, max_tokens: int = DEFAULT_MAX_DECISION_TOKENS) -> Request:
+    def build(self, ctx: SubmitContext, prompt) -> Request:
         from ..decisions.render import DecisionRenderer
 
         call = prompt if isinstance(prompt, DecisionCall) else DecisionCall.from_json(_text(prompt))
@@ -43,9 +42,10 @@ class DecisionsKind(RequestKind):
             raise PromptTooLongError(f"the input with its longest question and option is {longest} tokens, over this "
                                      f"model's limit of {ctx.max_input_len}")
         own = sum(map(len, parts)) + sum(len(o) for t in trees for o in t)
-        if own > max_tokens:
-            raise DecisionError(f"the questions and their options come to {own} tokens, over the limit of {max_tokens} "
-                                "for one call: split the questions over several calls", "questions")
+        if own > ctx.max_decision_tokens:
+            raise DecisionError(f"the questions and their options come to {own:,} tokens, over the limit of "
+                                f"{ctx.max_decision_tokens:,} for one call (max_decision_tokens): split the questions over "
+                                "several calls", "questions")
         return Request(self, shared, [], 0, item_ids=parts, item_continuations=trees if any(trees) else None,
                        task_state=(call, rendered))
 

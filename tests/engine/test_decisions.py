@@ -91,7 +91,7 @@ def test_default_model_against_transformers_cold_and_cached(default_engine, defa
 def test_numbers_do_not_depend_on_return_token_ids_or_the_other_questions(default_engine):
     rng = random.Random(5)
     qs = questions(rng)
-    many = qs + [Question(PREDICATE, _text(rng, rng.randint(2, 12)) + "?", (Option(True), Option(False))) for _ in range(45)]
+    many = qs + [Question(PREDICATE, _text(rng, rng.randint(2, 12)) + "?", (Option(True), Option(False))) for _ in range(395)]
     text = _text(rng, 41)
     alone = [default_engine.decide(text, [q], user="alone").answers[0] for q in qs]
     among = default_engine.decide(text, many, return_token_ids=True, user="among").answers
@@ -180,6 +180,16 @@ def test_typed_values_are_distinct_and_the_json_round_trips():
     assert DecisionCall.from_json(call.to_json()) == call
     with pytest.raises(DecisionError, match="text_input"):
         DecisionCall.from_json(b"{not json")
+
+
+def test_engine_refuses_a_call_over_its_token_limit(default_engine):
+    from prefillonly import tasks
+
+    ctx = tasks.SubmitContext(default_engine.encoder, default_engine.spec, default_engine.max_input_len, max_decision_tokens=40)
+    call = _call([Question(PREDICATE, "Is this a long enough question to count?", _YES_NO)] * 3)
+    with pytest.raises(DecisionError, match="max_decision_tokens") as e:
+        tasks.kind_named("decisions").build(ctx, call)
+    assert e.value.param == "questions"
 
 
 def test_engine_refuses_an_input_too_long(default_engine):
