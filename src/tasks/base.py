@@ -40,7 +40,8 @@ class SubmitContext:
 @dataclass(frozen=True)
 class RowOutput:
     """One result's rows of a forward: the last row's float32 logits, the logprob span (when the
-    request asked for one), the prompt tokens read from the cache and the step's measured peak."""
+    request asked for one; for an item with continuations, a list: each continuation's span, None
+    for a one-token one), the prompt tokens read from the cache and the step's measured peak."""
 
     logits: Any
     span: Any

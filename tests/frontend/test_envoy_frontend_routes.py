@@ -82,10 +82,12 @@ def triton_shape(reply: dict, status: int) -> str:
 
 
 SHAPES = {"/v1/rerank": openai_shape, "/score": openai_shape, "/generative_scoring": openai_shape,
+          "/v1/decisions": openai_shape, "/v1/systemone": openai_shape,
           "/v2/rerank": cohere_shape, "/rerank": tei_shape, "/v2/models/prefillonly/generate": triton_shape}
 
 
-@pytest.mark.parametrize("path", ["/v1/rerank", "/v2/rerank", "/rerank", "/v2/models/prefillonly/generate"])
+@pytest.mark.parametrize("path", ["/v1/rerank", "/v2/rerank", "/rerank", "/v2/models/prefillonly/generate", "/v1/decisions",
+                                  "/v1/systemone"])
 def test_too_large_body_is_refused_in_the_routes_error_shape(stack, path):
     status, raw, headers = post(stack.http_url + path, TOO_LARGE)
     assert status == 413 and headers["content-type"] == "application/json", (status, raw[:300])
