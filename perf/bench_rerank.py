@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
 import time
 from pathlib import Path
 
@@ -122,7 +121,7 @@ def ours_separate(url: str, ids: dict, user: str, per_call: int = 50) -> list[fl
         replies[i] = post(f"{url}/v1/completions", {"model": "prefillonly", "prompt": chunks[i], "max_tokens": 1,
                                                     "logprobs": 2, "allowed_token_ids": [yes, no], "user": user})
 
-    _run_threads([lambda i=i: call(i) for i in range(len(chunks))])
+    bu.run_threads([lambda i=i: call(i) for i in range(len(chunks))])
     scores = []
     for reply in replies:
         for choice in reply["choices"]:
@@ -136,24 +135,6 @@ def vllm_scores(url: str, ids: dict) -> list[float]:
     out = post(f"{url}/generative_scoring", {"query": ids["shared"], "items": ids["items"], "label_token_ids": ids["labels"],
                                              "apply_softmax": True})
     return [d["score"] for d in sorted(out["data"], key=lambda d: d["index"])]
-
-
-def _run_threads(fns: list) -> None:
-    errors = []
-
-    def wrap(fn):
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001 - reported after the join
-            errors.append(e)
-
-    threads = [threading.Thread(target=wrap, args=(fn,)) for fn in fns]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
 
 
 def timed_runs(one, single: int, load: list[int], users: int) -> dict:
@@ -170,7 +151,7 @@ def timed_runs(one, single: int, load: list[int], users: int) -> dict:
             scores[q] = one(q, f"user{u}")
 
     t0 = time.perf_counter()
-    _run_threads([lambda u=u: user_loop(u) for u in range(users)])
+    bu.run_threads([lambda u=u: user_loop(u) for u in range(users)])
     return {"single_s": single_s, "load_s": time.perf_counter() - t0, "scores": scores}
 
 

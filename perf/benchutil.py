@@ -16,6 +16,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 PERF_DIR = Path(__file__).resolve().parent
@@ -203,3 +204,22 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def run_threads(fns: list) -> None:
+    """Run each callable in its own thread, wait for all; the first error is raised after the join."""
+    errors = []
+
+    def wrap(fn):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - reported after the join
+            errors.append(e)
+
+    threads = [threading.Thread(target=wrap, args=(fn,)) for fn in fns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
