@@ -37,7 +37,7 @@ class DecisionsKind(RequestKind):
         shared = rendered.shared_ids
         parts = [p.token_ids for p in rendered.parts]
         trees = [p.option_ids if any(len(o) > 1 for o in p.option_ids) else [] for p in rendered.parts]
-        longest = len(shared) + max(len(q) + max(map(len, o)) for q, o in zip(parts, (p.option_ids for p in rendered.parts)))
+        longest = len(shared) + max(len(p.token_ids) + max(map(len, p.option_ids)) for p in rendered.parts)
         if longest > ctx.max_input_len:
             raise PromptTooLongError(f"the input with its longest question and option is {longest} tokens, over this "
                                      f"model's limit of {ctx.max_input_len}")

@@ -92,8 +92,8 @@ class PrefillRunner:
             results += [request.kind.item_result(request, j, context,
                                                  RowOutput(out.logits[g], tree.get(j, out.spans[g]), p, peak), self.token_text)
                         for g, j in enumerate(group)]
-        computed = sum(map(len, items)) + (sum(len(c) for cs in continuations for c in cs) if continuations else 0)
-        return StepOutcome([request.kind.items_done(request, results, p)], item_tokens=computed)
+        # items and their continuations: every computed token but the shared prompt's
+        return StepOutcome([request.kind.items_done(request, results, p)], item_tokens=request.prompt_tokens - request.cache_tokens)
 
     def _run_continuations(self, request: Request, shared_kv: PrefixKV, item_kv: dict, forwards: list[list[tuple[int, int]]],
                            regime: int, inplace: bool) -> dict[int, list]:
