@@ -95,6 +95,17 @@ class ChainedPrefix(_CapturedOnly):
             self.second.load(layer, k_dst[:, n:], v_dst[:, n:])
 
 
+def shared_and_own(prefix: PrefixSource | None) -> tuple[PrefixKV, PrefixKV | None] | None:
+    """A captured prefix as (the part other sequences of a step may follow too, the sequence's own
+    part after it or None): what attention can read once for them all (kernels/shared_prefix.py);
+    None for no prefix or a cache-backed one."""
+    if isinstance(prefix, PrefixKV):
+        return prefix, None
+    if isinstance(prefix, ChainedPrefix):
+        return prefix.first, prefix.second
+    return None
+
+
 @dataclass
 class CaptureSink:
     """Copies positions [start, end) of every layer into a PrefixKV."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import gpu_support
+from .shared_prefix import SharedPrefixPass, shared_prefix_of
 from .attention import (INPLACE_QUERY_BLOCK, AttentionShape, banded_scratch_bytes, causal_attention, causal_attention_inplace,
                         cpu_flash_attention, cpu_flash_covers, cpu_flash_scratch_bytes)
 
@@ -56,7 +57,11 @@ class AttentionPath:
 
     def begin(self, batch, buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scale: float, inplace: bool):
         """One forward's attention over `batch` (an executor.ForwardBatch) whose Q/K/V live in
-        `buffers` (the workspace's whole q, k, v)."""
+        `buffers` (the workspace's whole q, k, v): sequences after one captured prefix read it
+        once (shared_prefix.py), any others one at a time."""
+        shared = shared_prefix_of(batch, buffers[0].device)
+        if shared is not None:
+            return SharedPrefixPass(self, batch, buffers, *shared, scale, inplace)
         return SequenceBySequence(self, batch, scale, inplace)
 
     def scratch_bytes(self, shape: AttentionShape, members: list[tuple[int, int]], windows: set[int], softcap: float,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.attention import AttentionShape, inplace_attention_supported
+from ..kernels import shared_prefix
 from ..kernels.backend import KernelBackend
 from ..model.spec import ModelSpec
 from .workspace import LOGPROB_ROWS, plan_workspace
@@ -76,9 +77,7 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
     b = len(members)
     plan = plan_workspace(spec, s, chunk_size, dtype, sum(p for _, p in members),
                           fp32_scratch=kernels.norm_scratch(spec.qk_norm), linear_outputs=kernels.linear_outputs)
-    shape = AttentionShape(dtype, spec.head_dim, spec.num_heads, spec.num_kv_heads)
-    windows = {spec.layer_window(i) for i in range(spec.num_layers)}
-    attention = kernels.attention_path.scratch_bytes(shape, members, windows, spec.attention_softcap or 0.0, inplace_attention)
+    attention = _attention_bytes(spec, members, kernels, inplace_attention)
     linear = _linear_call_bytes(spec, plan.chunk, b, kernels)
     if kernels.writes_over_q:  # attention writes over Q: its scratch is freed before any projection runs
         linear = max(0, linear - attention)
@@ -97,6 +96,25 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
         pages=_PAGE * (len(plan.shapes) + 2 * pieces + 8 + (2 * b if b > 1 else 0)),  # workspace, RoPE tables, the few others
         unseen=UNSEEN_BYTES,
     )
+
+
+def _attention_bytes(spec: ModelSpec, members: list[tuple[int, int]], kernels: KernelBackend, inplace: bool) -> int:
+    """The attention path's own count and, where the members may be items over one captured prompt
+    (shared_prefix.py's pass, which the executor picks on the prefixes themselves), the larger of
+    that and the shared pass's."""
+    shape = AttentionShape(kernels.dtype, spec.head_dim, spec.num_heads, spec.num_kv_heads)
+    windows = {spec.layer_window(i) for i in range(spec.num_layers)}
+    attention = kernels.attention_path.scratch_bytes(shape, members, windows, spec.attention_softcap or 0.0, inplace)
+    if may_share_a_prefix(members, kernels):
+        attention = max(attention, shared_prefix.scratch_bytes(spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                                                               kernels.dtype, members))
+    return attention
+
+
+def may_share_a_prefix(members: list[tuple[int, int]], kernels: KernelBackend) -> bool:
+    """Whether a forward over `members` may run attention as shared_prefix.py's pass (which the
+    executor decides on the prefixes themselves): two or more members, each after a prefix, on CPU."""
+    return len(members) > 1 and all(p for _, p in members) and kernels.device.type == "cpu"
 
 
 def _last_rows_bytes(spec: ModelSpec, b: int, kernels: KernelBackend) -> int:

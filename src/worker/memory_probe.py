@@ -1,12 +1,13 @@
 """Measures one forward's peak memory growth in a fresh process (docs/design.md §7).
 
     python -m prefillonly.worker.memory_probe --tokens 8192 --chunk-size 512 [--model DIR | --random-config JSON]
-        [--dtype bfloat16] [--system prefillonly|transformers] [--members N] [--logprob-rows N [--logprob-top-k K]]
+        [--dtype bfloat16] [--system prefillonly|transformers] [--members N [--shared-prefix P]] [--logprob-rows N [--logprob-top-k K]]
 
 Prints one JSON line: measured growth (VmHWM after - VmRSS before, high-water mark reset
 first), the engine's prediction, and the bytes per token. One length per process, so that
 nothing a previous run left in the allocator hides or inflates the peak. `--members N` runs the
-tokens as one batched step of N sequences of (nearly) equal length. Used by the memory tests and
+tokens as one batched step of N sequences of (nearly) equal length, with `--shared-prefix P` each
+after one captured P-token prompt (a multi-item step's items). Used by the memory tests and
 by perf/ benchmarks.
 """
 
@@ -74,7 +75,7 @@ def measure(args) -> dict:
     seconds = time.perf_counter() - t0
     measured = meter.peak_growth()
     chunk = args.chunk_size or None
-    members = [(len(part), 0) for part in split_members(ids, args.members)]
+    members = [(len(part), args.shared_prefix) for part in split_members(ids, args.members)]
     spans = member_spans(ids, args) if args.logprob_rows else None
     parts = (batch_peak_components(spec, members, chunk, args.kernels, inplace_attention=args.inplace_attention,
                                    logprob_spans=spans)
@@ -171,6 +172,11 @@ def _prefillonly_runner(args, spec, dtype, device):
     args.linear = resolve_linear_backend(args.linear_backend, device, dtype, weights.layers[0].projections())
     args.kernels = KernelBackend(device, dtype, spec.head_dim, args.backend, args.linear)  # what the prediction counts by too
     executor = HybridPrefillExecutor(spec, weights, args.kernels)
+    if args.shared_prefix:  # the items of a multi-item step: one captured prompt, then every member over it
+        shared = executor.forward(torch.randint(0, spec.vocab_size, (args.shared_prefix,)), None,
+                                  capture=(0, args.shared_prefix)).captured
+        return lambda ids: executor.forward_batch(
+            ForwardBatch([Sequence(x, prefix=shared) for x in split_members(ids, args.members)]), args.chunk_size or None)
     if args.members > 1 or args.logprob_rows:  # each member with a logprob span over its last rows (at most all but its last)
         return lambda ids: executor.forward_batch(
             ForwardBatch([Sequence(x, logprob_rows=rows, logprob_top_k=k) for x, (rows, k) in
@@ -215,6 +221,9 @@ def main(argv=None) -> int:
     p.add_argument("--attention-backend", default="auto", choices=BACKENDS, help="attention backend (auto: as the engine picks)")
     p.add_argument("--linear-backend", default="auto", choices=LINEAR_BACKENDS, help="linear backend (auto: as the engine picks)")
     p.add_argument("--members", type=int, default=1, help="run the tokens as one step of this many sequences (prefillonly)")
+    p.add_argument("--shared-prefix", type=int, default=0,
+                   help="each member after one captured prefix of this many tokens, computed before the measured run "
+                        "(prefillonly: multi-item items, attention over it read once)")
     p.add_argument("--logprob-rows", type=int, default=0, help="also a logprob span over this many rows before the last (prefillonly; each member its own)")
     p.add_argument("--logprob-top-k", type=int, default=0, help="top tokens per row of that span")
     args = p.parse_args(argv)

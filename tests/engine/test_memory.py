@@ -177,6 +177,22 @@ def test_batched_logprob_spans_prediction_never_below_and_over_by_at_most_its_al
     assert r["predicted_bytes"] - r["measured_bytes"] <= allowance(r), detail
 
 
+@pytest.mark.parametrize("dtype,backend", [("float32", "cpu_flash"), ("bfloat16", "sdpa")])
+def test_items_over_one_shared_prompt_prediction_never_below(dtype, backend):
+    """64 items (2,560 rows) after one captured 3,000-token prompt: attention reads that prompt once
+    for them all (kernels/shared_prefix.py) with its own temporaries. The workspace plans every item's
+    segment with the prompt's positions, which this pass never touches (never resident): the
+    prediction without them must still cover the step."""
+    r = probe(2560, 512, dtype, backend, CONFIG, "--members", "64", "--shared-prefix", "3000", "--linear-backend", "aten")
+    assert r["members"] == 64, r
+    kv_width = CONFIG["num_key_value_heads"] * CONFIG["hidden_size"] // CONFIG["num_attention_heads"]
+    untouched = 64 * 3000 * 2 * kv_width * getattr(torch, dtype).itemsize  # the prompt's positions in every segment
+    rest = r["predicted_bytes"] - untouched
+    detail = (f"64 items over 3000 shared: predicted {mib(r['predicted_bytes'])} less {mib(untouched)} never touched, "
+              f"attention {mib(r['predicted_parts']['attention'])}; measured {mib(r['measured_bytes'])}")
+    assert rest >= r["measured_bytes"], detail
+
+
 def test_sdpa_prediction_never_below():
     tokens = 16384
     r = probe(tokens, 512, "bfloat16", "sdpa")
