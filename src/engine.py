@@ -54,6 +54,9 @@ from .model.weights import ModelWeights
 log = logging.getLogger("prefillonly")
 
 _RECENT_STEPS = 256  # step sizes kept for the metrics' histograms (read far more often than this fills)
+# A running step counts as making progress while a forward of it finished (or it began) this recently:
+# a liveness probe is then answered at once (progressing_step) instead of waiting for the step's end.
+PROGRESS_WINDOW_S = 30.0
 
 
 class Engine:
@@ -84,6 +87,7 @@ class Engine:
                                    lambda_tokens_per_s=config.lambda_tokens_per_s)
         self._steps = 0
         self._step_ends_at = 0.0  # monotonic time the running step is predicted to end (0: none runs)
+        self._step_began = 0.0  # monotonic time the running step began (0: none runs)
         self._recent_steps: deque[StepRecord] = deque(maxlen=_RECENT_STEPS)
         self._cv = threading.Condition()  # guards the scheduler (and its counters), the step records and _closed
         self._closed = False
@@ -246,6 +250,19 @@ class Engine:
                 queued_work_s=self.scheduler.queued_work_s() + max(0.0, self._step_ends_at - time.monotonic()),
                 jct_coefficients=self.jct.coefficients)
 
+    def progressing_step(self, window_s: float = PROGRESS_WINDOW_S) -> str | None:
+        """While a step runs and one of its forwards finished (or it began) within `window_s`: how
+        it progresses, e.g. "a step running for 130.2 s, its last forward finished 1.4 s ago" (the
+        proof a liveness probe takes that the engine is alive); None when idle or stalled (the probe
+        then queues a real inference: a wedged worker never answers it)."""
+        began, now = self._step_began, time.monotonic()
+        if not began:
+            return None
+        last = max(began, self.executor.last_forward_at)
+        if now - last > window_s:
+            return None
+        return f"a step running for {now - began:.1f} s, its last forward finished {now - last:.1f} s ago"
+
     def predict_peak_bytes(self, new_tokens: int, prefix_tokens: int = 0, inplace_attention: bool = False) -> int:
         """Predicted peak extra memory of computing `new_tokens` after `prefix_tokens` cached ones."""
         return self.memory.peak_bytes([(new_tokens, prefix_tokens)], inplace=inplace_attention)
@@ -330,7 +347,9 @@ class Engine:
         now = time.monotonic()
         # the worker's idle gap: how long this step's work waited for it after its previous step
         ready_since = max(last_step_end, min((m.request.arrived for m in plan.members), default=now))
+        self._step_began = time.monotonic()
         outcome = self.runner.execute(plan)
+        self._step_began = 0.0
         with self._cv:  # counters and the step record move before any answer is delivered: an
             # answer's callback may read stats() (or the metrics endpoint) the moment it runs
             answers = self.scheduler.finish(plan, outcome)

@@ -47,6 +47,13 @@ class OverloadedError(PrefillOnlyError):
     code = "overloaded"
 
 
+class EngineBusyError(PrefillOnlyError):
+    """A liveness probe's answer while one long step runs and keeps finishing forwards: the engine
+    is alive (its progress shows it), so the probe is not queued behind that step."""
+
+    code = "engine_busy"
+
+
 class DeadlineExceededError(PrefillOnlyError):
     """The request's deadline passed while it waited; it was never run."""
 

@@ -21,6 +21,7 @@ keeps it or the caller asked to capture a range of it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -162,6 +163,7 @@ class HybridPrefillExecutor:
         self.scale = spec.softmax_scale
         self.rope_dtype = kernels.rope_dtype
         self.tokens_computed = 0  # prompt tokens run through the layers, all requests (a counter)
+        self.last_forward_at = 0.0  # monotonic time the last forward finished (a running step's progress)
 
     def forward(self, token_ids: torch.Tensor, chunk_size: int | None, prefix: PrefixSource | None = None,
                 sink: KVSink | None = None, capture: tuple[int, int] | None = None,
@@ -216,7 +218,9 @@ class HybridPrefillExecutor:
                 self._mlp_chunk(layer, ws, attn, c0, c1, chunk_pieces)
             del attn
         self.tokens_computed += plan.new_tokens
-        return self._batch_outputs(ws, batch, sinks, captures)
+        outputs = self._batch_outputs(ws, batch, sinks, captures)
+        self.last_forward_at = time.monotonic()
+        return outputs
 
     def _batch_outputs(self, ws: dict, batch: ForwardBatch, sinks: list, captures: list) -> BatchOutput:
         """After the last layer: each sequence's last-position logits and logprob span, and what the

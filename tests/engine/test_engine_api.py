@@ -186,3 +186,35 @@ def test_queued_work_counts_the_running_step_until_it_ends(default_engine):
     assert seen and max(seen) > 0.0  # the running step's rest, with nothing waiting
     assert max(seen) <= predicted + 1e-6  # never more than the step's own prediction
     assert e.stats().queued_work_s == 0.0  # and none once it has ended
+
+
+def test_a_running_step_shows_its_progress_until_a_forward_stalls(default_engine, monkeypatch):
+    """progressing_step (what a liveness probe takes as proof of life while one long step runs):
+    None when idle; while a multi-item step's forwards finish, how long it has run; None again once
+    no forward finished within the window (a stalled worker), and after the step."""
+    e = default_engine
+    assert e.progressing_step() is None
+    forward = e.executor.forward_batch
+    stall = {"s": 0.0}
+
+    def slow_forward(*args, **kwargs):  # every forward 0.1 s longer, one of them `stall` longer
+        time.sleep(0.1 + stall.pop("s", 0.0))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(e.executor, "forward_batch", slow_forward)
+    gen = torch.Generator().manual_seed(12)
+    items = [torch.randint(100, 40000, (40,), generator=gen).tolist() for _ in range(8)]
+    prompt = torch.randint(100, 40000, (300,), generator=gen).tolist()
+    seen = []
+    stall["s"] = 1.2  # the shared prompt's forward: nothing finishes for 1.3 s
+    future = e.submit_items(prompt, items, [" Yes"])
+    while not future.done():
+        seen.append((time.monotonic(), e.progressing_step(window_s=0.5)))
+        time.sleep(0.01)
+    future.result()
+    states = [p is not None for _, p in seen]
+    changes = [s for i, s in enumerate(states) if i == 0 or s != states[i - 1]]
+    # idle, then progressing (the step began), stalled (its first forward), progressing (the items' forward)
+    assert changes[-3:] == [True, False, True] or changes[-4:-1] == [True, False, True], changes
+    assert next(p for _, p in seen if p is not None).startswith("a step running for ")
+    assert e.progressing_step() is None

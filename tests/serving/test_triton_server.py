@@ -292,3 +292,31 @@ def test_client_library(server, engine, protocol):
         assert len(items) == 2 and all(abs(sum(t["prob"] for t in i["tokens"]) - 1) < 1e-5 for i in items)
         with pytest.raises(PrefillOnlyClientError, match="encodes to 2 tokens"):
             c.score(PROMPT, ["Yes please"])
+
+
+def test_a_liveness_probe_during_a_long_step_is_answered_at_once(server):
+    """A multi-item request is one step (a decision call of hundreds of questions too): the probe,
+    which would wait for that step's end (and, past --probe-timeout, get the server restarted), is
+    answered engine_busy at once while the step's forwards keep finishing."""
+    import threading
+    import time
+
+    from prefillonly.serving.host.probe import probe
+
+    words = " ".join(f"w{i}" for i in range(600))
+    body = {"text_input": words, "items": [f"item {i}: {words[: 900]}" for i in range(32)], "allowed_tokens": [" Yes"]}
+    done = {}
+    long_request = threading.Thread(target=lambda: done.setdefault("r", generate(server, body)))
+    long_request.start()
+    answers = []
+    time.sleep(0.5)
+    while long_request.is_alive():
+        t0 = time.monotonic()
+        alive, what = probe(server.http_url, timeout=60)
+        answers.append((alive, what, time.monotonic() - t0, long_request.is_alive()))
+        time.sleep(0.2)
+    long_request.join()
+    assert done["r"][0] == 200, done["r"]
+    busy = [a for a in answers if "engine_busy" in a[1]]
+    assert busy and all(alive for alive, *_ in answers), answers
+    assert all(seconds < 5.0 and still_running for _, _, seconds, still_running in busy), busy

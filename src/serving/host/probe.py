@@ -5,7 +5,10 @@ died or its worker is wedged. A probe that gets an answer from the engine (a res
 engine error such as `overloaded`: the engine is alive, just busy) proves it runs. Used by the
 serve supervisor and, as `python -m prefillonly.serving probe`, by container liveness checks.
 The probe runs at the highest priority, so it waits only for the request already running; it is
-counted in the request metrics like any other request.
+counted in the request metrics like any other request. While one long step runs (a decision call
+of hundreds of questions is one step) and its forwards keep finishing, the engine answers the probe
+at once with engine_busy, its progress being the proof; a step with no forward finished for
+PROGRESS_WINDOW_S (engine.py) gets the probe queued, and a wedged worker never answers it.
 """
 
 from __future__ import annotations
@@ -14,12 +17,12 @@ import json
 import urllib.error
 import urllib.request
 
-from ...contract.wire import ENGINE_RETRY_LATER_CODES
+from ...contract.wire import ENGINE_RETRY_LATER_CODES, LIVENESS_USER
 from .process import http_status
 
 PROBE_PRIORITY = 1 << 62  # ahead of every client request: only the running one is waited for
 PROBE_BODY = {"input_ids": [0], "allowed_token_ids": [0], "cache_prefix_len": 0, "priority": PROBE_PRIORITY,
-              "user": "__prefillonly_liveness__"}
+              "user": LIVENESS_USER}
 # answers that come from the engine itself: it is alive (busy, closing, or refusing the probe)
 ALIVE_ERROR_CODES = (*ENGINE_RETRY_LATER_CODES, "invalid_request")
 

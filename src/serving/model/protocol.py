@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...contract.errors import InvalidRequestError, PrefillOnlyError
+from ...contract.errors import EngineBusyError, InvalidRequestError, PrefillOnlyError
 from ...contract.limits import RequestLimits
-from ...contract.wire import CANCELLED, INPUTS, INTERNAL, SCORE, triton_status
+from ...contract.wire import CANCELLED, INPUTS, INTERNAL, LIVENESS_USER, SCORE, triton_status
 from ... import tasks
 
 
@@ -155,7 +155,12 @@ def submit_call(engine, call: ScoreCall) -> list:
     """The engine requests of one parsed call, all or nothing: one per prompt for a kind that
     runs each prompt on its own, else one; if one is refused, those queued are cancelled and the
     error raised (the Triton request is answered with it). What parse_request checked against the
-    engine's limits the engine does not check again."""
+    engine's limits the engine does not check again. A liveness probe while a long step keeps making
+    progress is answered engine_busy at once (Engine.progressing_step)."""
+    if call.options.get("user") == LIVENESS_USER:
+        progress = engine.progressing_step()
+        if progress is not None:  # alive and working: the probe need not wait for that step's end
+            raise EngineBusyError(f"the engine is busy, {progress}")
     kind = tasks.kind_named(call.kind)
     arguments = dict(call.options)
     if kind.takes_allowed:
