@@ -203,7 +203,7 @@ class Engine:
         """Queue one decision call (kind "decisions"): typed questions (contract.decisions.Question)
         about `input` (a text, or Messages), every question over one shared prefill of the input
         and each option's whole answer scored; permutations: score each choice and score question
-        under this many cyclic option orders and average (order debiasing). The Future gets a
+        under up to this many option orders, a set closed under reversal (decisions.render.orders), and average (order debiasing). The Future gets a
         DecisionResult: per question its options' probabilities (summarize() gives the winner, the
         expected level and the confidence). options: cache_namespace, user, priority, deadline_s."""
         from .contract.decisions import DecisionCall, Message

@@ -66,7 +66,7 @@ class Question:
 class DecisionCall:
     input: tuple[Message, ...]
     questions: tuple[Question, ...]
-    permutations: int = 1  # debias: each choice and score question under this many cyclic option orders
+    permutations: int = 1  # debias: each choice and score question under up to this many option orders (render.orders)
     return_token_ids: bool = False
 
     def check(self, max_questions: int = MAX_QUESTIONS) -> None:

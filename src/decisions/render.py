@@ -114,13 +114,36 @@ class DecisionRenderer:
 
 
 def orders(q: Question, permutations: int) -> list[tuple[int, ...]]:
-    """The option orders a question is scored under: as given, then (debias) cyclic rotations spread
-    over the options; a predicate lists no options, so it has one."""
+    """The option orders a question is scored under: as given; with debias (permutations k >= 2)
+    rotations of the options and each rotation reversed, the rotations' shifts a set closed under
+    negation (mod n). Such a set is the same whether the options come as given or reversed (the
+    reversed list's rotation by s, reversed, is the original's rotation by -s), so the averaged
+    probabilities do not move when a caller reverses the options. At most k orders: the largest
+    such set of k // 2 shifts or fewer, spread over the options (all 2n orders for k >= 2n); a
+    predicate lists no options, so it has one."""
     n = len(q.options)
     if q.type == PREDICATE or permutations <= 1:
         return [tuple(range(n))]
-    shifts = sorted({round(j * n / min(permutations, n)) % n for j in range(min(permutations, n))})
-    return [tuple((s + i) % n for i in range(n)) for s in shifts]
+    out = []
+    for s in _negation_closed_shifts(n, max(1, permutations // 2)):
+        rotation = tuple((s + i) % n for i in range(n))
+        out += [rotation, rotation[::-1]]
+    return list(dict.fromkeys(out))  # two options: each rotation is the other's reverse
+
+
+def _negation_closed_shifts(n: int, most: int) -> list[int]:
+    """At most `most` shifts mod n, 0 among them, closed under negation: equally spaced where `most`
+    divides n (or covers it), else 0, n/2 where n is even and there is room, and pairs +-d."""
+    if most >= n:
+        return list(range(n))
+    if n % most == 0:
+        return list(range(0, n, n // most))
+    shifts = [0] + ([n // 2] if n % 2 == 0 and most % 2 == 0 else [])
+    d = 1
+    while len(shifts) + 2 <= most:
+        shifts += [d, n - d]
+        d += 1
+    return shifts
 
 
 def answer_texts(q: Question) -> list[str]:

@@ -15,7 +15,7 @@ import torch
 
 from prefillonly.contract.decisions import (CHOICE, PREDICATE, SCORE, DecisionCall, DecisionError, Message, Option,
                                             Question, summarize)
-from prefillonly.decisions.render import DecisionRenderer
+from prefillonly.decisions.render import DecisionRenderer, orders
 from tests.conftest import FAMILY_CONFIGS, make_random_model
 from tests.reference import load_hf
 
@@ -102,19 +102,50 @@ def test_numbers_do_not_depend_on_return_token_ids_or_the_other_questions(defaul
 
 
 def test_debias_averages_the_option_orders(default_engine, default_hf):
-    """permutations=k: each choice and score question scored under its cyclic orders, the
+    """permutations=k: each choice and score question scored under its orders (render.orders), the
     distributions averaged: equal to the average of transformers' answers to each order's prompt."""
     rng = random.Random(3)
     qs = questions(rng)[1:3]
-    call = DecisionCall((Message("user", _text(rng, 30)),), tuple(qs), permutations=3)
+    call = DecisionCall((Message("user", _text(rng, 30)),), tuple(qs), permutations=4)
     rendered = DecisionRenderer(default_engine.encoder.tokenizer).render(call)
-    got = default_engine.decide(call.input, qs, permutations=3).answers
+    got = default_engine.decide(call.input, qs, permutations=4).answers
     for i, q in enumerate(qs):
         parts = [p for p in rendered.parts if p.question == i]
-        assert len(parts) == 3 and len({p.order for p in parts}) == 3
+        assert len(parts) == len(orders(q, 4)) >= 2 and len({p.order for p in parts}) == len(parts)
         dists = [reference_probabilities(default_hf, rendered.shared_ids + p.token_ids, p.option_ids) for p in parts]
-        want = [sum(d[j] for d in dists) / 3 for j in range(len(q.options))]
+        want = [sum(d[j] for d in dists) / len(dists) for j in range(len(q.options))]
         assert max(abs(x - y) for x, y in zip(got[i].probabilities, want)) < TOL
+
+
+def _reversed(q: Question) -> Question:
+    return Question(q.type, q.instructions, q.options[::-1], q.name)
+
+
+@pytest.mark.parametrize("n", range(2, 11))
+def test_the_debias_orders_are_the_same_set_for_the_options_reversed(n):
+    """Rotations and their reverses, shifts closed under negation: listing the options backwards
+    gives the same orders of the same values; at most k of them, and every order once."""
+    q = Question(CHOICE, "Which?", tuple(Option(f"v{i}") for i in range(n)))
+    for k in range(2, 2 * n + 2):
+        got = orders(q, k)
+        listed = {tuple(q.options[j].value for j in o) for o in got}
+        backwards = _reversed(q)
+        assert listed == {tuple(backwards.options[j].value for j in o) for o in orders(backwards, k)}, k
+        assert 2 <= len(got) <= k and len(set(got)) == len(got), (k, got)
+    assert len(orders(q, 2 * n)) == (2 * n if n > 2 else 2)  # every rotation and its reverse
+
+
+def test_debiased_answers_do_not_move_when_the_options_are_reversed(default_engine):
+    """The flip the bench measures, here exactly: the averaged probabilities of each value equal
+    whether the options come as given or reversed (float32 rounding apart), on every choice question
+    of a call (a score's levels reversed are another question: its numbers name other levels)."""
+    rng = random.Random(4)
+    qs = [q for q in questions(rng) + questions(rng) if q.type == CHOICE]
+    text = _text(rng, 40)
+    given = default_engine.decide(text, qs, permutations=4).answers
+    backwards = default_engine.decide(text, [_reversed(q) for q in qs], permutations=4).answers
+    for a, b, q in zip(given, backwards, qs):
+        assert max(abs(x - y) for x, y in zip(a.probabilities, b.probabilities[::-1])) < 1e-5, q
 
 
 FAMILIES = ("llama_gqa_llama3rope_untied", "qwen3_qknorm_untied", "gemma3_window_two_ropes", "phi3_fused_window")
