@@ -57,6 +57,13 @@ def thin_venv(tree: Path, work: Path, name: str) -> Path:
     return venv / "bin" / "python"
 
 
+def prepare_trees(before: str, after: str, work: Path) -> tuple[dict, dict]:
+    """({"before": tree, "after": tree}, their pythons): each revision's worktree and thin venv under `work`."""
+    work.mkdir(parents=True, exist_ok=True)
+    trees = {name: checkout(rev, work, name) for name, rev in (("before", before), ("after", after))}
+    return trees, {name: thin_venv(tree, work, name) for name, tree in trees.items()}
+
+
 def run_eval(python: Path, tree: Path, args: list[str], ext_dir: Path, timeout_s: float) -> dict:
     """`python -m perf.eval ARGS` in `tree`; the JSON it wrote (perf/results/eval/<what>.json)."""
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext_dir)}
@@ -109,9 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    trees = {name: checkout(rev, work, name) for name, rev in (("before", args.before), ("after", args.after))}
-    pythons = {name: thin_venv(tree, work, name) for name, tree in trees.items()}
+    trees, pythons = prepare_trees(args.before, args.after, work)
     ext = {name: work / f"ext-{name}" for name in trees}
     runs = {"before": {"offline": [], "load": []}, "after": {"offline": [], "load": []}}
     for rep in range(args.reps):
