@@ -313,10 +313,10 @@ def test_a_liveness_probe_during_a_long_step_is_answered_at_once(server):
     while long_request.is_alive():
         t0 = time.monotonic()
         alive, what = probe(server.http_url, timeout=60)
-        answers.append((alive, what, time.monotonic() - t0, long_request.is_alive()))
+        answers.append((alive, what, time.monotonic() - t0))
         time.sleep(0.2)
     long_request.join()
     assert done["r"][0] == 200, done["r"]
     busy = [a for a in answers if "engine_busy" in a[1]]
     assert busy and all(alive for alive, *_ in answers), answers
-    assert all(seconds < 5.0 and still_running for _, _, seconds, still_running in busy), busy
+    assert all(seconds < 5.0 for _, _, seconds in busy), busy  # not queued behind the step: answered from its progress
