@@ -181,19 +181,19 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     if lq == lk:
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=gqa)
         return out[0]
-    if q.device.type == "cpu" and _CPU_FLASH_WITH_LSE is not None:
+    if q.device.type == "cpu" and CPU_FLASH_WITH_LSE is not None:
         return _suffix_attention_merged(q, k, v, scale)
     return _suffix_attention_masked(q, k, v, scale)
 
 
 # torch's CPU flash-attention op, which also returns each row's log-sum-exp (and takes GQA).
-_CPU_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+CPU_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 INPLACE_QUERY_BLOCK = 512  # queries per step of causal_attention_inplace (its temporaries scale with it)
 
 
 def inplace_attention_supported(device: torch.device) -> bool:
-    return device.type == "cpu" and _CPU_FLASH_WITH_LSE is not None
+    return device.type == "cpu" and CPU_FLASH_WITH_LSE is not None
 
 
 def causal_attention_inplace(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -226,20 +226,32 @@ def causal_attention_inplace(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 def _suffix_attention_merged(q, k, v, scale):
     """Queries = the last Lq of Lk positions, on CPU: two fast unmasked/causal flash calls
-    merged by their log-sum-exp, instead of the masked path (about 2x slower per FLOP).
+    merged by their log-sum-exp, instead of the masked path (about 2x slower per FLOP)."""
+    return suffix_attention_with_lse(q, k, v, scale)[0].to(q.dtype)
+
+
+def suffix_attention_with_lse(q, k, v, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries = the last Lq of Lk positions, on CPU's flash op: (output [Hq, Lq, D] float32, each
+    row's log-sum-exp [Hq, Lq]).
 
     part 1: every query sees all P = Lk - Lq prefix keys (no mask);
     part 2: the new keys, a square causal block (top-left == bottom-right when square).
     """
     p = k.shape[1] - q.shape[1]
-    o_new, lse_new = _CPU_FLASH_WITH_LSE(q[None], k[None, :, p:], v[None, :, p:], 0.0, True, scale=scale)
-    o_pre, lse_pre = _CPU_FLASH_WITH_LSE(q[None], k[None, :, :p], v[None, :, :p], 0.0, False, scale=scale)
-    m = torch.maximum(lse_pre, lse_new)
-    w_pre, w_new = (lse_pre - m).exp_(), (lse_new - m).exp_()
-    total = w_pre + w_new
-    out = o_pre[0].float().mul_((w_pre / total)[0, :, :, None])
-    out.addcmul_(o_new[0].float(), (w_new / total)[0, :, :, None])
-    return out.to(q.dtype)
+    o_new, lse_new = CPU_FLASH_WITH_LSE(q[None], k[None, :, p:], v[None, :, p:], 0.0, True, scale=scale)
+    if p == 0:
+        return o_new[0].float(), lse_new[0].float()
+    o_pre, lse_pre = CPU_FLASH_WITH_LSE(q[None], k[None, :, :p], v[None, :, :p], 0.0, False, scale=scale)
+    return merge_partials(o_pre[0], lse_pre[0], o_new[0], lse_new[0])
+
+
+def merge_partials(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor):
+    """Two attention outputs of the same queries over disjoint key sets ([H, L, D], their
+    log-sum-exps [H, L]) -> the output over both keys (float32) and its log-sum-exp."""
+    lse = torch.logaddexp(lse1.float(), lse2.float())
+    out = o1.float().mul_((lse1 - lse).exp_()[..., None])
+    out.addcmul_(o2.float(), (lse2 - lse).exp_()[..., None])
+    return out, lse
 
 
 def _suffix_attention_masked(q, k, v, scale):

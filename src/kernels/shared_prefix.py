@@ -13,7 +13,7 @@ weighted by exp(lse_part - lse_total). So per layer:
           of sequences, long ones on the same flash op;
   merge   the two by their log-sum-exps in float32, written over the queries.
 Layers with a sliding window or soft-capped scores (Gemma) take the per-sequence pass: the shared
-prefix is copied into the segments for them only (`load_full`).
+prefix is copied into the segments for those layers only.
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ from __future__ import annotations
 import torch
 
 from ..cache.prefix_io import shared_and_own
+from .attention import CPU_FLASH_WITH_LSE, merge_partials, suffix_attention_with_lse
 
-# torch's CPU flash-attention op: (output, log-sum-exp per query row); GQA, any key count.
-_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 SHARED_QUERY_BLOCK = 512  # queries per call against the shared keys (its float32 merge scales with it)
 # One padded group of sequences' own attention: its float32 scores (all query heads), its padded
 # query rows and key positions. These bound its temporaries whatever the batch (scratch_bytes).
@@ -38,7 +37,7 @@ def shared_prefix_of(batch, device: torch.device):
     None) where this pass takes the batch, else None: CPU, two or more sequences after the same
     captured prefix, none keeping its K/V in a cache (a sink sees whole segments) nor capturing
     shared positions."""
-    if device.type != "cpu" or _FLASH_WITH_LSE is None or len(batch.sequences) < 2:
+    if device.type != "cpu" or CPU_FLASH_WITH_LSE is None or len(batch.sequences) < 2:
         return None
     splits = [shared_and_own(s.prefix) for s in batch.sequences]
     if any(sp is None for sp in splits):
@@ -79,19 +78,10 @@ class SharedPrefixPass:
         k_sh, v_sh = self.shared.keys[layer], self.shared.values[layer]
         for r0 in range(0, self.rows, SHARED_QUERY_BLOCK):
             r1 = min(self.rows, r0 + SHARED_QUERY_BLOCK)
-            out, lse = _FLASH_WITH_LSE(q_all[None, :, r0:r1], k_sh[None], v_sh[None], 0.0, False, scale=self.scale)
+            out, lse = CPU_FLASH_WITH_LSE(q_all[None, :, r0:r1], k_sh[None], v_sh[None], 0.0, False, scale=self.scale)
             merged, _ = merge_partials(out[0], lse[0], own_out[:, r0:r1], own_lse[:, r0:r1])
             q_all[:, r0:r1].copy_(merged)
         return qs
-
-
-def merge_partials(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor):
-    """Two attention outputs of the same queries over disjoint key sets ([H, L, D], their
-    log-sum-exps [H, L]) -> the output over both keys (float32) and its log-sum-exp."""
-    lse = torch.logaddexp(lse1.float(), lse2.float())
-    out = o1.float().mul_((lse1 - lse).exp_()[..., None])
-    out.addcmul_(o2.float(), (lse2 - lse).exp_()[..., None])
-    return out, lse
 
 
 class _OwnLayout:
@@ -136,8 +126,9 @@ class _OwnLayout:
             s, l = self.news[i], self.keys[i]
             q_index.append(self.row_starts[i] + torch.arange(s_max).clamp_(max=s - 1))
             k_index.append(self.key_starts[i] + torch.arange(l_max).clamp_(max=l - 1))
-            # query t sits at own position l - s + t and sees own keys up to it; padded rows see key 0
-            masks.append((j <= l - s + t) & (j < l))  # padded rows (t >= s) see keys too: no empty softmax
+            # query t sits at own position l - s + t and sees own keys up to it; padded rows (t >= s)
+            # see keys too: no empty softmax
+            masks.append((j <= l - s + t) & (j < l))
             valid.append(g * s_max + torch.arange(s))
         return torch.cat(q_index), torch.cat(k_index), torch.stack(masks), torch.cat(valid)
 
@@ -154,7 +145,7 @@ class _OwnLayout:
             r1 = r0 + sum(self.news[i] for i in group)
             if plan is None:
                 i = group[0]
-                o, l = _own_flash(q_all[:, r0:r1], ks[i][:, ks[i].shape[1] - self.keys[i]:], vs[i][:, vs[i].shape[1] - self.keys[i]:], scale)
+                o, l = suffix_attention_with_lse(q_all[:, r0:r1], ks[i][:, ks[i].shape[1] - self.keys[i]:], vs[i][:, vs[i].shape[1] - self.keys[i]:], scale)
             else:
                 o, l = _padded_attention(q_all, k_all, v_all, plan, scale)
             out[:, r0:r1], lse[:, r0:r1] = o, l
@@ -201,14 +192,3 @@ def _padded_attention(q_all, k_all, v_all, plan, scale: float) -> tuple[torch.Te
     out = torch.matmul(scores.sub_(lse[..., None]).exp_().view(hkv, n, g * s, l), v)
     out = out.view(hkv, n, g, s, d).transpose(1, 2).reshape(hq, n * s, d).index_select(1, valid)
     return out, lse.transpose(1, 2).reshape(hq, n * s).index_select(1, valid)
-
-
-def _own_flash(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """A long sequence's own attention (keys = its own prefix part, then its queries' own keys)
-    on flash: a square causal call, merged with an unmasked one over the own prefix part if any."""
-    lq, lk = q.shape[1], k.shape[1]
-    out, lse = _FLASH_WITH_LSE(q[None], k[None, :, lk - lq:], v[None, :, lk - lq:], 0.0, True, scale=scale)
-    if lk == lq:
-        return out[0].float(), lse[0].float()
-    out_p, lse_p = _FLASH_WITH_LSE(q[None], k[None, :, : lk - lq], v[None, :, : lk - lq], 0.0, False, scale=scale)
-    return merge_partials(out_p[0], lse_p[0], out[0], lse[0])

@@ -10,7 +10,8 @@ import torch
 from prefillonly.cache.prefix_io import CaptureSink, ChainedPrefix, PrefixKV
 from prefillonly.kernels import shared_prefix
 from prefillonly.kernels.attention_paths import SequenceBySequence, TorchAttention
-from prefillonly.kernels.shared_prefix import SharedPrefixPass, merge_partials, shared_prefix_of
+from prefillonly.kernels.attention import merge_partials
+from prefillonly.kernels.shared_prefix import SharedPrefixPass, shared_prefix_of
 from prefillonly.worker.executor import ForwardBatch, Sequence
 
 from ..conftest import FAMILY_CONFIGS
