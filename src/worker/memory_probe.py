@@ -207,7 +207,7 @@ def _transformers_runner(args, spec, dtype):
     return run
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m prefillonly.worker.memory_probe")
     p.add_argument("--tokens", type=int, required=True)
     p.add_argument("--chunk-size", type=int, default=2048, help="0 = no chunking")
@@ -234,7 +234,30 @@ def main(argv=None) -> int:
         from ..model.default_model import ensure_default_model
 
         args.model = ensure_default_model(default_cache_dir())
-    print(json.dumps(measure(args)))
+    return args
+
+
+def measure_argv(argv: list[str]) -> dict:
+    """One measurement from a command line's arguments, in this process (which must be fresh)."""
+    return measure(parse_args(argv))
+
+
+def forked_probes(workers: int = 1):
+    """An executor whose every `submit(measure_argv, argv)` runs in a process of its own, forked from
+    one that imported torch, transformers and this module once (multiprocessing's forkserver): as
+    fresh for the allocator as `python -m` (nothing has run a forward or allocated a tensor, the
+    mallopt settings are made in the child), without paying the ~6 s of imports per measurement.
+    Environment variables a library reads at import (ONEDNN_MAX_CPU_ISA) need `python -m` instead."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "transformers.models.llama.configuration_llama", "transformers.modeling_rope_utils", __name__])
+    return ProcessPoolExecutor(workers, mp_context=context, max_tasks_per_child=1)
+
+
+def main(argv=None) -> int:
+    print(json.dumps(measure_argv(argv)))
     return 0
 
 

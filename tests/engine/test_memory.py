@@ -1,5 +1,6 @@
 """Peak memory, measured as docs define it: peak-RSS growth over the RSS after loading, one
-fresh process per run (python -m prefillonly.worker.memory_probe).
+fresh process per run (prefillonly.worker.memory_probe: forked from a process that only imported
+the libraries, or `python -m` where an environment variable must be set before they load).
 
 Random config with FFN = 8 x hidden, where the MLP intermediates dominate an unchunked pass.
 
@@ -38,6 +39,7 @@ import pytest
 import torch
 
 from prefillonly.kernels.linear import why_onednn_unavailable
+from prefillonly.worker.memory_probe import forked_probes, measure_argv
 
 CONFIG = dict(hidden_size=256, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               vocab_size=1000, max_position_embeddings=32768)
@@ -54,11 +56,27 @@ def allowance(r: dict) -> int:
     return parts["pages"] + parts["attention"] + parts["unseen"] + parts["ids"] + (r["heap_free_bytes"] or 0)
 
 
+class Probes:
+    """The module's measurements, each in a process of its own (memory_probe.forked_probes)."""
+    pool = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def probe_processes():
+    with forked_probes() as Probes.pool:
+        yield
+    Probes.pool = None
+
+
 def probe(tokens: int, chunk_size: int, dtype: str = "bfloat16", backend: str = "cpu_flash", config=CONFIG, *flags,
           env: dict | None = None) -> dict:
-    cmd = [sys.executable, "-m", "prefillonly.worker.memory_probe", "--tokens", str(tokens), "--chunk-size", str(chunk_size),
-           "--dtype", dtype, "--random-config", json.dumps(config), "--threads", "2", "--attention-backend", backend, *flags]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+    argv = ["--tokens", str(tokens), "--chunk-size", str(chunk_size), "--dtype", dtype, "--random-config", json.dumps(config),
+            "--threads", "2", "--attention-backend", backend, *flags]
+    if not env:
+        return Probes.pool.submit(measure_argv, argv).result(timeout=600)
+    # read when the libraries load: a process started with it
+    out = subprocess.run([sys.executable, "-m", "prefillonly.worker.memory_probe", *argv], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, **env})
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
