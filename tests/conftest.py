@@ -38,6 +38,10 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(layer)
         if item.path.stem in FAST and item.get_closest_marker("heavy") is None:
             item.add_marker("fast")
+    # the slow files first, the quick ones last (a file's tests stay together, in their order): when
+    # scripts/test.sh runs files on parallel workers, the last files handed out are short, so no
+    # worker is left alone with a minute-long file at the end
+    items.sort(key=lambda item: item.path.stem in FAST)
 
 # name -> (config class name, config kwargs). Small but with every feature switched on:
 # GQA, llama3 rope scaling, linear rope scaling, q/k/v bias, q/k norm with head_dim != d/heads,
@@ -131,6 +135,12 @@ def default_engine():
     with Engine(EngineConfig(dtype="float32", threads=2, linear_backend=linear)) as engine:
         yield engine
 
+
+# The kernels fixed where a served model's numbers are compared with another process's (an in-process
+# Engine, another replica): "auto" times the GEMM libraries and the CPU attention backends at start,
+# and where two are close (or the host is busy) two processes may pick differently, which changes
+# float32 answers by rounding (~1e-5 in a logprob).
+SAME_KERNELS = dict(linear_backend="aten", attention_backend="cpu_flash")
 
 # A small Llama with the default model's vocabulary (so its tokenizer fits) and context length:
 # the Triton server tests run on it (loads in well under a second; short prompts take

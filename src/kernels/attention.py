@@ -56,6 +56,9 @@ def flash_attn_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 
 
+_cpu_choices: dict[tuple, str] = {}  # choose_cpu_backend's timed pick per (shape, threads) in a process
+
+
 @dataclass(frozen=True)
 class AttentionShape:
     """What the timed choice of a CPU backend measures: the model's heads and dtype."""
@@ -97,13 +100,20 @@ def choose_cpu_backend(shape: AttentionShape, time_of=None) -> str:
     1,024-token prompt plus a 256-token suffix over a 1,024-token cached prefix, best of 3
     (~0.1 s at start). Measured, not assumed: the compiled kernel is 1.3-2.9x SDPA on AMD Zen4
     and AVX2 hosts, but torch's bf16 SDPA uses AMX tiles on Intel Xeons that have them.
+    Timed once per process for a shape and thread count, as the GEMM library is (kernels/linear.py):
+    two engines in one process then attend alike, where two close timings could otherwise pick
+    differently under load and their float32 answers differ by rounding.
     `time_of(backend)` is injectable for tests."""
-    time_of = time_of or (lambda backend: _time_backend(backend, shape))
-    seconds = {b: time_of(b) for b in ("cpu_flash", "sdpa")}
+    key = (shape, torch.get_num_threads())
+    if time_of is None and key in _cpu_choices:
+        return _cpu_choices[key]
+    seconds = {b: (time_of or (lambda backend: _time_backend(backend, shape)))(b) for b in ("cpu_flash", "sdpa")}
     chosen = min(seconds, key=seconds.get)
     log.info("prefillonly: CPU attention backend %s (%s: cpu_flash %.1f ms, sdpa %.1f ms at head_dim %d, %d/%d heads)",
              chosen, str(shape.dtype).removeprefix("torch."), seconds["cpu_flash"] * 1e3, seconds["sdpa"] * 1e3,
              shape.head_dim, shape.q_heads, shape.kv_heads)
+    if time_of is None:
+        _cpu_choices[key] = chosen
     return chosen
 
 

@@ -31,6 +31,8 @@ from prefillonly.serving.host.prometheus import scrape_metrics
 from perf import envoy_hashing
 from perf.bench_placement import place
 
+from ..conftest import SAME_KERNELS
+
 ROOT = Path(__file__).resolve().parents[2]
 REPO = ROOT / "model_repository"
 PROFILE, POST, BLOCK = 256, 20, 64  # tokens: the cache's room is counted in 64-token units (4 a profile)
@@ -47,7 +49,7 @@ def fleet(tmp_path_factory, small_served_model):
     block = PrefixCache.bytes_per_block(spec, torch.float32, BLOCK)
     # room for two profiles per replica: a third of the 6 test users'
     repo = copy_model_repository(REPO, tmp_path_factory.mktemp("fleet") / "repo", model=small_served_model,
-                                 dtype="float32", threads="1",
+                                 dtype="float32", threads="1", **SAME_KERNELS,
                                  cache_budget_bytes=str(USERS_PER_REPLICA * (PROFILE // BLOCK) * block))
     logs = tmp_path_factory.mktemp("fleet-logs")
     with LocalFleet(repo, replicas=3, log_dir=logs).start() as f:  # the fleet's defaults: Maglev

@@ -79,3 +79,18 @@ def test_auto_backend_on_cpu_is_the_faster_of_the_kernel_and_sdpa():
     # the real timing on this host: one of the two, and it really ran both (both are correct backends)
     assert resolve_backend("auto", torch.device("cpu"), shape) in ("cpu_flash", "sdpa")
     assert resolve_backend("cpu_flash", torch.device("cpu"), shape) == "cpu_flash"  # explicit: never timed
+
+
+def test_auto_backend_on_cpu_is_timed_once_per_shape_in_a_process(monkeypatch):
+    """Two engines of one process attend alike: the second asks the first's timing, not its own."""
+    from prefillonly.kernels import attention
+
+    timed = []
+    monkeypatch.setattr(attention, "_cpu_choices", {})
+    monkeypatch.setattr(attention, "_time_backend", lambda backend, shape: timed.append(backend) or len(timed))
+    shape, other = attention.AttentionShape(torch.float32, 64, 4, 2), attention.AttentionShape(torch.float32, 32, 4, 2)
+    first = attention.choose_cpu_backend(shape)
+    assert first == "cpu_flash" and timed == ["cpu_flash", "sdpa"]  # the first timed is the faster here
+    monkeypatch.setattr(attention, "_time_backend", lambda backend, shape: {"cpu_flash": 9.0, "sdpa": 1.0}[backend])
+    assert attention.choose_cpu_backend(shape) == first  # not timed again
+    assert attention.choose_cpu_backend(other) == "sdpa"  # another shape: its own timing

@@ -33,6 +33,7 @@ from prefillonly.serving.host.supervisor import ServeOptions, Supervisor
 from prefillonly.serving.host.triton_server import ADMIN_KEY_HEADER
 
 from .test_triton_lifecycle import in_background
+from ..conftest import SAME_KERNELS
 
 REPO = Path(__file__).resolve().parents[2] / "model_repository"
 ADMIN_KEY = "test-admin-key"
@@ -56,10 +57,9 @@ def serve_options(repo, **kw) -> ServeOptions:
 def supervised(folder, model, probe_interval_s: float = 1.0):
     """The serve stack as `scripts/serve.sh` runs it (Envoy + supervised Triton and the scoring
     frontend, its watchdog running), on the small model."""
-    # aten: the GEMM library fixed, so the numbers equal an in-process engine's (linear_backend "auto"
-    # picks by timing, and where two libraries are close two processes may pick differently)
+    # the kernels fixed, so the numbers equal an in-process engine's (conftest.SAME_KERNELS)
     repo = copy_model_repository(REPO, folder / "repo", models=("prefillonly",), model=model, dtype="float32", threads="1",
-                                 linear_backend="aten")
+                                 **SAME_KERNELS)
     sup = Supervisor(serve_options(repo, probe_interval_s=probe_interval_s, probe_timeout_s=60), say=lambda m: None)
     stop = threading.Event()
     try:

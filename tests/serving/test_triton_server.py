@@ -18,16 +18,18 @@ from prefillonly.serving.host.model_settings import copy_model_repository
 from prefillonly.serving.host.prometheus import scrape_metrics
 from prefillonly.serving.host.triton_server import running_server
 
+from ..conftest import SAME_KERNELS
+
 REPO = Path(__file__).resolve().parents[2] / "model_repository"
 PROMPT = "Is the sky blue on a clear day? Answer:"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, small_served_model):
-    # fp32, one thread and the aten GEMMs on both sides, so that the server's numbers equal an in-process
-    # Engine's (linear_backend "auto" picks by timing, and two processes may pick differently)
+    # fp32, one thread and the same kernels on both sides, so that the server's numbers equal an in-process
+    # Engine's (conftest.SAME_KERNELS: "auto" picks by timing, and two processes may pick differently)
     repo = copy_model_repository(REPO, tmp_path_factory.mktemp("server") / "repo", model=small_served_model,
-                                 dtype="float32", threads="1", linear_backend="aten")
+                                 dtype="float32", threads="1", **SAME_KERNELS)
     with running_server(repo, ready_timeout=180) as s:
         yield s
 
@@ -36,7 +38,7 @@ def server(tmp_path_factory, small_served_model):
 def engine(small_served_model):
     from prefillonly import Engine, EngineConfig
 
-    with Engine(EngineConfig(model=small_served_model, dtype="float32", threads=1, linear_backend="aten")) as e:
+    with Engine(EngineConfig(model=small_served_model, dtype="float32", threads=1, **SAME_KERNELS)) as e:
         yield e
 
 
