@@ -13,8 +13,7 @@ import math
 import pytest
 
 from ..serving.test_faults import REPO
-from .test_frontend import (DOCS, QUERY, TOL, TRUNCATED, engine, post, post_with_headers, qwen3_relevance,  # noqa: F401
-                            stack, tokenizer)
+from .test_frontend import DOCS, QUERY, TOL, TRUNCATED, post, post_with_headers, qwen3_relevance
 
 IGNORED = "x-prefillonly-ignored-fields"
 

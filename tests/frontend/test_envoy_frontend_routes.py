@@ -20,15 +20,8 @@ from prefillonly.serving.host.envoy import EnvoyProxy
 from prefillonly.serving.host.envoy_config import DEFAULT_MAX_REQUEST_BYTES, FrontDoor, Upstream
 from prefillonly.contract.wire import REPLICA_HEADER
 
-from ..serving.test_faults import supervised
 
 TOO_LARGE = json.dumps({"model": "plain", "query": "q", "documents": ["x" * (DEFAULT_MAX_REQUEST_BYTES + 1000)]}).encode()
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory, small_served_model):
-    with supervised(tmp_path_factory.mktemp("envoy-routes"), small_served_model, probe_interval_s=3600) as sup:
-        yield sup
 
 
 def get(url: str) -> tuple[int, bytes, object]:

@@ -11,12 +11,10 @@ import pytest
 
 from perf.eval_harness_tasks import evaluate, request_results, write_tasks
 
-from ..serving.test_faults import supervised
-
 
 
 @pytest.fixture(scope="module")
-def both(tmp_path_factory, small_served_model, monkeypatch_module):
+def both(tmp_path_factory, small_served_model, stack, monkeypatch_module):
     """(ours, hf) results of both tasks. The perplexity task runs with a 96-token window, so that its
     texts (~100-250 tokens) are scored in several rolling windows, the same ones for both models
     (lm-eval's API model windows at its max_length - 2, its hf model at max_length: 98 there is 96 here)."""
@@ -25,10 +23,9 @@ def both(tmp_path_factory, small_served_model, monkeypatch_module):
     api = {"model": "prefillonly", "tokenizer": small_served_model, "batch_size": 8, "num_concurrent": 1, "max_retries": 1,
            "timeout": 300}
     hf = {"pretrained": small_served_model, "dtype": "float32", "device": "cpu", "batch_size": 8}
-    with supervised(tmp_path_factory.mktemp("eval_stack"), small_served_model, probe_interval_s=3600) as sup:
-        api["base_url"] = f"{sup.http_url}/v1/completions"
-        ours = (evaluate(folder, "local-completions", api, ["po_mc"]),
-                evaluate(folder, "local-completions", dict(api, max_length=98), ["po_ppl"]))
+    api["base_url"] = f"{stack.http_url}/v1/completions"  # the layer's serve stack (conftest.py)
+    ours = (evaluate(folder, "local-completions", api, ["po_mc"]),
+            evaluate(folder, "local-completions", dict(api, max_length=98), ["po_ppl"]))
     theirs = (evaluate(folder, "hf", hf, ["po_mc"]), evaluate(folder, "hf", dict(hf, max_length=96), ["po_ppl"]))
     return ours, theirs
 

@@ -16,7 +16,7 @@ from prefillonly.frontend.presets import PRESETS_FILE
 from prefillonly.serving.host.prometheus import scrape_metrics
 from prefillonly.contract.wire import USER_HEADER
 
-from ..serving.test_faults import REPO, assert_still_serving, supervised
+from ..serving.test_faults import REPO, assert_still_serving
 from .test_frontend_presets import published_qwen3_ids
 
 QUERY = "What is the capital of France? The user wants a short factual answer about European geography."
@@ -25,28 +25,6 @@ DOCS = ["Paris is the capital and largest city of France.", "Berlin is the capit
 TOL = 1e-5
 TRUNCATED = "x-prefillonly-truncated-documents"
 
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory, small_served_model):
-    # no liveness probes during the tests: they are engine requests too, and one test counts requests
-    with supervised(tmp_path_factory.mktemp("frontend"), small_served_model, probe_interval_s=3600) as sup:
-        yield sup
-
-
-@pytest.fixture(scope="module")
-def engine(small_served_model):
-    from prefillonly import Engine, EngineConfig
-
-    # the stack's GEMM library (tests/serving/test_faults.supervised pins aten): auto may pick the other
-    with Engine(EngineConfig(model=small_served_model, dtype="float32", threads=1, cache_budget_bytes=0, linear_backend="aten")) as e:
-        yield e
-
-
-@pytest.fixture(scope="module")
-def tokenizer(small_served_model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(small_served_model)
 
 
 def post(url: str, body, headers=None) -> tuple[int, object]:
