@@ -20,6 +20,12 @@ FAST = {"test_request", "test_scheduler", "test_dependency_groups", "test_simula
         "test_protocol", "test_inflight", "test_import_graph", "test_docs_match_tree", "test_envoy_hashing", "test_workloads",
         "test_host_table", "test_model_spec", "test_perf_cli", "test_frontend_presets", "test_batching", "test_prefix_cache",
         "test_linear", "test_dtype_auto", "test_wire", "test_kernel_backend", "test_code_shape"}
+# The files that take longest (about 40 s to 2 minutes each on 2 cores, slowest first): started
+# first, so that parallel workers (scripts/test.sh) end on short files instead of one worker
+# finishing a long file alone. Then the other server and model files, then the fast tier.
+SLOWEST_FIRST = ("test_memory", "test_gpu_kernels", "test_fleet", "test_faults", "test_triton_server", "test_eval_harness",
+                 "test_triton_lifecycle", "test_frontend", "test_decisions", "test_score_precision", "test_picker_fleet",
+                 "test_batching", "test_perf_inputs")
 
 
 def pytest_configure(config):
@@ -38,10 +44,13 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(layer)
         if item.path.stem in FAST and item.get_closest_marker("heavy") is None:
             item.add_marker("fast")
-    # the slow files first, the quick ones last (a file's tests stay together, in their order): when
-    # scripts/test.sh runs files on parallel workers, the last files handed out are short, so no
-    # worker is left alone with a minute-long file at the end
-    items.sort(key=lambda item: item.path.stem in FAST)
+    # the slowest files first, the quick ones last (a file's tests stay together, in their order)
+    items.sort(key=_start_order)
+
+
+def _start_order(item) -> tuple[int, bool]:
+    stem = item.path.stem
+    return (SLOWEST_FIRST.index(stem) if stem in SLOWEST_FIRST else len(SLOWEST_FIRST), stem in FAST)
 
 # name -> (config class name, config kwargs). Small but with every feature switched on:
 # GQA, llama3 rope scaling, linear rope scaling, q/k/v bias, q/k norm with head_dim != d/heads,
