@@ -104,15 +104,16 @@ def choose_cpu_backend(shape: AttentionShape, time_of=None) -> str:
     two engines in one process then attend alike, where two close timings could otherwise pick
     differently under load and their float32 answers differ by rounding.
     `time_of(backend)` is injectable for tests."""
-    key = (shape, torch.get_num_threads())
-    if time_of is None and key in _cpu_choices:
+    key, timed_here = (shape, torch.get_num_threads()), time_of is None
+    if timed_here and key in _cpu_choices:
         return _cpu_choices[key]
-    seconds = {b: (time_of or (lambda backend: _time_backend(backend, shape)))(b) for b in ("cpu_flash", "sdpa")}
+    time_of = time_of or (lambda backend: _time_backend(backend, shape))
+    seconds = {b: time_of(b) for b in ("cpu_flash", "sdpa")}
     chosen = min(seconds, key=seconds.get)
     log.info("prefillonly: CPU attention backend %s (%s: cpu_flash %.1f ms, sdpa %.1f ms at head_dim %d, %d/%d heads)",
              chosen, str(shape.dtype).removeprefix("torch."), seconds["cpu_flash"] * 1e3, seconds["sdpa"] * 1e3,
              shape.head_dim, shape.q_heads, shape.kv_heads)
-    if time_of is None:
+    if timed_here:
         _cpu_choices[key] = chosen
     return chosen
 

@@ -12,7 +12,6 @@ import pytest
 from perf.eval_harness_tasks import evaluate, request_results, write_tasks
 
 
-
 @pytest.fixture(scope="module")
 def both(tmp_path_factory, small_served_model, stack, monkeypatch_module):
     """(ours, hf) results of both tasks. The perplexity task runs with a 96-token window, so that its
