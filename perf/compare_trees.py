@@ -99,16 +99,22 @@ def compare(a: dict, b: dict) -> dict:
             "max_logprob_gap": bu.max_logprob_gap({k: a[k][-1] for k in common}, {k: b[k][-1] for k in common})}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m perf.compare_trees", description=__doc__.split("\n\n")[0])
+def add_tree_arguments(p: argparse.ArgumentParser, name: str) -> None:
+    """The two revisions a before/after script builds with prepare_trees, where their worktrees and
+    venvs go (/tmp/prefillonly-<name>) and its results (perf/results/<name>.json)."""
     p.add_argument("--before", required=True, help="the revision before the change")
     p.add_argument("--after", default="HEAD", help="the revision after it (default HEAD)")
+    p.add_argument("--work", default=f"/tmp/prefillonly-{name.replace('_', '-')}", help="where the worktrees and venvs go")
+    p.add_argument("--out", default=str(bu.PERF_DIR / "results" / f"{name}.json"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m perf.compare_trees", description=__doc__.split("\n\n")[0])
+    add_tree_arguments(p, "compare_trees")
     p.add_argument("--reps", type=int, default=2, help="offline runs per tree, interleaved (default 2)")
     p.add_argument("--qps", type=float, default=1.5, help="the load level both trees are offered (req/s)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="both trees' dtype (default float32: what an AVX2-only host computes natively)")
-    p.add_argument("--work", default="/tmp/prefillonly-compare-trees", help="where the worktrees and venvs go")
-    p.add_argument("--out", default=str(bu.PERF_DIR / "results" / "compare_trees.json"))
     p.add_argument("--timeout", type=float, default=3600, help="seconds per perf.eval command")
     return p
 

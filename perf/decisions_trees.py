@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from perf import benchutil as bu
-from perf.compare_trees import prepare_trees
+from perf.compare_trees import add_tree_arguments, prepare_trees
 
 # Run inside each tree (its own perf.bench_decisions and prefillonly): only what both revisions have.
 CHILD = r"""
@@ -83,16 +83,13 @@ def table(runs: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m perf.decisions_trees", description=__doc__.split("\n\n")[0])
-    p.add_argument("--before", required=True, help="the revision before the change")
-    p.add_argument("--after", default="HEAD", help="the revision after it (default HEAD)")
+    add_tree_arguments(p, "decisions_trees")
     p.add_argument("--reps", type=int, default=2, help="processes per tree, interleaved (default 2)")
     p.add_argument("--questions", type=int, nargs="+", default=[16, 64], help="Q values (default 16 64)")
     p.add_argument("--input-tokens", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--work", default="/tmp/prefillonly-decisions-trees", help="where the worktrees and venvs go")
-    p.add_argument("--out", default=str(bu.PERF_DIR / "results" / "decisions_trees.json"))
     p.add_argument("--timeout", type=float, default=3600, help="seconds per process")
     return p
 
