@@ -9,6 +9,11 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
+# The workers and the servers they start each run torch on every core, so the cores are shared
+# several ways; OpenMP threads that spin while they wait (libgomp's default) then burn the time
+# slices another process needed. Sleeping instead changes no result and took the suite from 722 s
+# to 636 s of pytest on 2 cores (docs/testing.md). A caller's own setting wins.
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 cores="$(nproc 2>/dev/null || echo 1)"
 workers="${PREFILLONLY_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"
 parallel=()
