@@ -39,6 +39,7 @@ from .model.default_model import ensure_default_model
 from .contract.errors import ConfigError, EngineClosedError
 from .worker.executor import HybridPrefillExecutor
 from .kernels.backend import KernelBackend
+from .kernels.gpu_selfcheck import ModelShapes
 from .contract.limits import RequestLimits, derived_max_prompt_bytes, max_token_bytes, resolve_max_input_len
 from .worker.memory import ActivationBudget, available_memory_bytes
 from .model.spec import ModelSpec
@@ -115,7 +116,8 @@ class Engine:
         weights = ModelWeights.load(self.model_path, spec, self.dtype, self.device)
         kernels = KernelBackend.choose(self.device, self.dtype, spec.head_dim, spec.num_heads, spec.num_kv_heads,
                                        config.attention_backend, config.linear_backend, weights.layers[0].projections(),
-                                       config.head_dtype)
+                                       config.head_dtype, ModelShapes(spec.hidden_size, spec.intermediate_size, spec.sliding_window or 0,
+                                                                      spec.attention_softcap or 0.0, spec.qk_norm))
         self.weight_bytes = weights.nbytes()
         return HybridPrefillExecutor(spec, weights, kernels)
 
@@ -244,6 +246,7 @@ class Engine:
                 tokens_computed=self.executor.tokens_computed, steps=self._steps, recent_steps=list(self._recent_steps),
                 dtype=self.config.dtype, dtype_reason=self.config.dtype_reason, budget_bytes=budget,
                 attention_backend=self.executor.kernels.attention, linear_backend=self.executor.kernels.linear,
+                kernel_check=self.executor.kernels.self_check.summary() if self.executor.kernels.self_check else "",
                 score_head=self.executor.kernels.score_head,
                 cache=copy.copy(self.cache.stats) if self.cache else None,
                 cache_bytes_in_use=self.cache.bytes_in_use() if self.cache else {},

@@ -53,6 +53,7 @@ class EngineStats:
     attention_backend: str = ""  # what the engine attends with (attention_backend "auto" resolved at start)
     linear_backend: str = ""  # what its GEMMs run on (linear_backend "auto" resolved at start)
     score_head: str = ""  # how the logits that become scores are computed (kernels/score_head.py, chosen at start)
+    kernel_check: str = ""  # the Triton kernels' start-up check against torch and what fell back ("": none ran here)
     cache: CacheStats | None = None  # the prefix cache's counters (a copy); None without a cache
     cache_bytes_in_use: dict[int, int] = field(default_factory=dict)  # tier -> bytes
     queued_work_s: float = 0.0  # the running step's predicted rest + the waiting requests' work as it will run (Scheduler.queued_work_s; the fleet picker reads it)

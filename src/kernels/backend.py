@@ -12,7 +12,10 @@ A KernelBackend fixes, for one model's dtype, device and head size:
                   one function its calls go through (the weights are packed for it at load);
   score_head      how the LM head computes the logits that become scores (kernels/score_head.py:
                   float32 from the model dtype's operands, self-checked);
-  ops             the per-token op family (kernels/ops.py: compiled CPU, Triton or torch).
+  ops             the per-token op family (kernels/ops.py: compiled CPU, Triton or torch);
+  self_check      where Triton kernels would run (CUDA): their start-up check against torch
+                  (kernels/gpu_selfcheck.py); a kernel that failed it runs as torch (`on_torch`,
+                  or the attention backend moved off "triton").
 The executor computes with it and the memory prediction (memory.py) counts by it, asking it the
 memory facts of each choice (the path's scratch, the GEMMs' and the score head's call bytes), so
 the two can never disagree about which path a forward takes; neither tests a name.
@@ -25,11 +28,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import AttentionShape, resolve_backend
+from .attention import AttentionShape, flash_attn_available, resolve_backend
 from .attention_paths import AttentionPath, CpuFlashAttention, TorchAttention, TritonAttention
 from .linear import allocates_output, call_bytes as linear_call_bytes, gemm, resolve_linear_backend
 from .ops import TorchOps, ops_for
 from . import score_head as score_heads
+from .gpu_selfcheck import ModelShapes, SelfCheck, run_self_check
 
 # The attention paths, tried in order at construction: the first whose `build` takes the model
 # runs its attention. A new attention backend is a class of attention_paths.AttentionPath's shape
@@ -45,6 +49,8 @@ class KernelBackend:
     attention: str = "sdpa"  # a concrete attention backend (not "auto")
     linear: str = "aten"  # a concrete linear backend (not "auto")
     score_head: str = ""  # a score head (kernels/score_head.py); "": the default for the dtype (score_heads.choose)
+    on_torch: frozenset[str] = frozenset()  # Triton per-token kernels that failed their self-check: torch runs them
+    self_check: SelfCheck | None = field(default=None, compare=False)  # None: no Triton kernel to check here
     attention_path: AttentionPath = field(init=False, compare=False)
     gemm: Callable = field(init=False, compare=False)  # (out, x, w, b) -> y: kernels.linear.gemm(linear)
     ops: TorchOps = field(init=False, compare=False)
@@ -55,7 +61,7 @@ class KernelBackend:
         built = (p.build(self.attention, device, self.dtype, self.head_dim) for p in ATTENTION_PATHS)
         object.__setattr__(self, "attention_path", next(p for p in built if p is not None))
         object.__setattr__(self, "gemm", gemm(self.linear))
-        object.__setattr__(self, "ops", ops_for(device, self.dtype))
+        object.__setattr__(self, "ops", ops_for(device, self.dtype, self.on_torch))
         if not self.score_head:
             object.__setattr__(self, "score_head", score_heads.choose(device, self.dtype))
 
@@ -63,14 +69,23 @@ class KernelBackend:
     def choose(cls, device: torch.device, dtype: torch.dtype, head_dim: int, q_heads: int, kv_heads: int,
                attention: str = "auto", linear: str = "auto",
                projections: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None,
-               head_dtype: str = "float32") -> KernelBackend:
+               head_dtype: str = "float32", model: ModelShapes | None = None) -> KernelBackend:
         """Resolve the configured backends for this model: an explicit one is checked (ValueError
         naming why it cannot run here), "auto" chosen (timed: attention at the model's heads,
         the GEMMs on `projections`, one layer's plain (weight, bias) pairs); the score head for
-        `head_dtype` (self-checked)."""
+        `head_dtype` (self-checked). Where Triton kernels would run, each is checked against torch
+        at `model`'s shapes first and one that fails runs as torch instead (gpu_selfcheck.py)."""
         resolved = resolve_backend(attention, device, AttentionShape(dtype, head_dim, q_heads, kv_heads))
-        return cls(device, dtype, head_dim, resolved, resolve_linear_backend(linear, device, dtype, projections),
-                   score_heads.choose(device, dtype, head_dtype))
+        linear, head = resolve_linear_backend(linear, device, dtype, projections), score_heads.choose(device, dtype, head_dtype)
+        unchecked = cls(device, dtype, head_dim, resolved, linear, head)
+        triton_attention, triton_ops = unchecked.attention_path.name == "triton", unchecked.ops.name == "triton"
+        if not (triton_attention or triton_ops):
+            return unchecked
+        model = model or ModelShapes(q_heads * head_dim, 4 * q_heads * head_dim)
+        check = run_self_check(device, dtype, head_dim, q_heads, kv_heads, model, triton_attention, triton_ops)
+        if triton_attention and check.attention_failed:
+            resolved = "flash_attn" if device.type == "cuda" and flash_attn_available() else "sdpa"
+        return cls(device, dtype, head_dim, resolved, linear, head, check.failed_ops, check)
 
     @property
     def writes_over_q(self) -> bool:
@@ -106,3 +121,4 @@ class KernelBackend:
     @property
     def rope_dtype(self) -> torch.dtype:
         return self.ops.rope_table_dtype(self.dtype)
+

@@ -167,47 +167,52 @@ class TritonOps(TorchOps):
 
     name = "triton"
 
-    def __init__(self):
+    def __init__(self, on_torch: frozenset[str] = frozenset()):
+        """on_torch: the kernels (gpu_selfcheck.OP_KERNELS names) that failed the start-up
+        self-check and run as TorchOps for this engine's life."""
         from . import gpu_ops  # imported where chosen: it imports triton, absent on most CPU hosts
 
         self.kernels = gpu_ops
+        self.on_torch = on_torch
 
     def needs_norm_scratch(self, qk_norm: bool) -> bool:
-        return False  # the q/k norms run inside rope_qkv
+        # the q/k norms run inside rope_qkv; RMSNorm's own kernel needs no scratch either
+        return qk_norm and "rope_qkv" in self.on_torch or "rms_norm" in self.on_torch or "add_rms_norm" in self.on_torch
 
     def rope_table_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.float32
 
     def rms_norm_into(self, out, x, weight32, eps, scratch32):
-        if _rows(x, out):
+        if _rows(x, out) and "rms_norm" not in self.on_torch:
             return self.kernels.rms_norm(out, x, weight32, eps)
         return super().rms_norm_into(out, x, weight32, eps, scratch32)
 
     def add_rms_norm_(self, h, delta, weight32, eps, out, scratch32):
-        if _rows(h, delta, out):
+        if _rows(h, delta, out) and "add_rms_norm" not in self.on_torch:
             return self.kernels.add_rms_norm(h, delta, weight32, eps, out)
         return super().add_rms_norm_(h, delta, weight32, eps, out, scratch32)
 
     def rope_qkv_into(self, q_dst, k_dst, v_dst, qkv, cos, sin, heads, kv_heads, qk_norm, scratch32):
-        if not _partial_rotary(cos, q_dst) and cos.dtype == torch.float32:
+        if not _partial_rotary(cos, q_dst) and cos.dtype == torch.float32 and "rope_qkv" not in self.on_torch:
             self.kernels.rope_qkv(q_dst, k_dst, v_dst, qkv, cos, sin, heads, kv_heads, qk_norm)
             return
         super().rope_qkv_into(q_dst, k_dst, v_dst, qkv, cos, sin, heads, kv_heads, qk_norm, scratch32)
 
     def swiglu_into(self, out, gate_up):
-        if _rows(gate_up, out):
+        if _rows(gate_up, out) and "swiglu" not in self.on_torch:
             return self.kernels.swiglu(out, gate_up)
         return super().swiglu_into(out, gate_up)
 
 
-def ops_for(device: torch.device | str, dtype: torch.dtype) -> TorchOps:
+def ops_for(device: torch.device | str, dtype: torch.dtype, on_torch: frozenset[str] = frozenset()) -> TorchOps:
     """The fastest op family for tensors of this device and dtype: the compiled CPU kernels where
-    they take them, else the Triton kernels where they run, else the torch ops."""
+    they take them, else the Triton kernels where they run (but `on_torch`, the ones that failed
+    their self-check), else the torch ops."""
     device = torch.device(device)
     if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
         kernels = cpu_ext.load()
         if kernels is not None:
             return CompiledCpuOps(kernels)
     if dtype in gpu_support.KERNEL_DTYPES and gpu_support.runs_on(device):
-        return TritonOps()
+        return TritonOps(on_torch)
     return TorchOps()

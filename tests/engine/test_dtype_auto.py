@@ -92,7 +92,9 @@ def test_engine_with_auto_equals_the_explicit_dtype_it_resolved_to(default_model
     assert auto.dtype == EngineConfig(dtype=want).torch_dtype
     assert (stats.dtype, stats.dtype_reason) == (want, reason)
     assert engine_info_labels(stats) == {"dtype": want, "dtype_reason": reason, "attention_backend": "sdpa",
-                                         "linear_backend": stats.linear_backend, "score_head": stats.score_head}
+                                         "linear_backend": stats.linear_backend, "score_head": stats.score_head,
+                                         "kernel_check": "none run"}  # no Triton kernel runs on CPU
+    assert stats.kernel_check == ""
     assert stats.linear_backend in ("aten", "onednn")
     assert stats.score_head == ("linear" if want == "float32" else score_head.choose(torch.device("cpu"), torch.bfloat16))
     assert f"dtype {want} ({reason})" in [r.getMessage() for r in caplog.records if r.name == "prefillonly"]

@@ -17,6 +17,7 @@ import torch
 from prefillonly.cache.prefix_cache import PrefixCache
 from prefillonly.worker.executor import ForwardBatch, HybridPrefillExecutor, Sequence
 from prefillonly.kernels.backend import KernelBackend
+from prefillonly.kernels.gpu_selfcheck import ATTENTION_KERNELS, OP_KERNELS, ModelShapes
 from prefillonly.kernels import gpu_support
 from prefillonly.kernels.attention import banded_attention, causal_attention, resolve_backend
 from prefillonly.kernels.gpu_attention import BatchLayout, prefill_attention
@@ -376,3 +377,101 @@ def test_warm_requests_read_the_pool_in_place_batched(folders):
         assert max_abs(out[i], whole) <= 0.05, i
     for t in tickets:
         cache.index.commit(t)
+
+
+# -- the start-up self-check and its fallback (kernels/gpu_selfcheck.py) ---------------------------
+SHAPES = ModelShapes(hidden=256, intermediate=384, window=10, softcap=2.0, qk_norm=True)
+
+
+def _choose(shapes=SHAPES, attention="triton"):
+    return KernelBackend.choose(DEVICE, DTYPES[-1], 64, 4, 2, attention, "aten", model=shapes)
+
+
+def test_self_check_passes_the_kernels_and_keeps_them():
+    for shapes in (SHAPES, ModelShapes(hidden=576, intermediate=1536)):
+        kernels = _choose(shapes)
+        check = kernels.self_check
+        assert check is not None and not check.failed, check.summary()
+        assert {v.kernel for v in check.verdicts} == set(ATTENTION_KERNELS) | set(OP_KERNELS)
+        assert kernels.attention == "triton" and kernels.ops.name == "triton" and not kernels.on_torch
+
+
+def _torch_path_logprobs(folder, ids):
+    os.environ["PREFILLONLY_TRITON_KERNELS"] = "0"
+    try:
+        return _executor(folder, DTYPES[-1], "sdpa").forward(ids, 64).logits.double().log_softmax(-1)
+    finally:
+        del os.environ["PREFILLONLY_TRITON_KERNELS"]
+
+
+def _checked_executor(folder):
+    spec = ModelSpec.from_folder(folder)
+    shapes = ModelShapes(spec.hidden_size, spec.intermediate_size, spec.sliding_window or 0, spec.attention_softcap or 0.0,
+                         spec.qk_norm)
+    kernels = KernelBackend.choose(DEVICE, DTYPES[-1], spec.head_dim, spec.num_heads, spec.num_kv_heads, "triton", "aten",
+                                   model=shapes)
+    return HybridPrefillExecutor(spec, ModelWeights.load(folder, spec, DTYPES[-1], DEVICE), kernels)
+
+
+def test_a_wrong_op_kernel_falls_back_to_torch_and_the_answer_is_right(folders, monkeypatch):
+    """SwiGLU's kernel made wrong by 10%: the check names it, torch runs it, the others stay fast,
+    and the forward equals the torch path's."""
+    real, calls = gpu_ops.swiglu, []
+
+    def wrong(out, gate_up):
+        calls.append(1)
+        return real(out, gate_up).mul_(1.1)
+
+    monkeypatch.setattr(gpu_ops, "swiglu", wrong)
+    folder = folders["llama_gqa_llama3rope_untied"]
+    ex = _checked_executor(folder)
+    check = ex.kernels.self_check
+    assert check.failed == {"swiglu"} and "swiglu (max error" in check.summary(), check.summary()
+    assert ex.kernels.on_torch == {"swiglu"} and ex.kernels.attention == "triton" and ex.kernels.ops.name == "triton"
+    ids, checked_calls = _ids(_gen(21), ex.spec.vocab_size, 40), len(calls)
+    fast = ex.forward(ids, 16).logits.double().log_softmax(-1)
+    assert len(calls) == checked_calls, "the failed kernel ran after the check"
+    assert max_abs(fast, _torch_path_logprobs(folder, ids)) <= 0.05
+
+
+def test_a_raising_attention_kernel_falls_back_to_sdpa_and_the_answer_is_right(folders, monkeypatch):
+    from prefillonly.kernels import gpu_attention
+
+    def raising(self, *args, **kwargs):
+        raise RuntimeError("out of resources: shared memory")
+
+    monkeypatch.setattr(gpu_attention.BatchAttention, "run", raising)
+    folder = folders["llama_gqa_llama3rope_untied"]
+    ex = _checked_executor(folder)
+    check = ex.kernels.self_check
+    assert check.failed == set(ATTENTION_KERNELS), check.summary()
+    assert "RuntimeError: out of resources" in check.summary()
+    assert ex.kernels.attention == "sdpa" and ex.kernels.attention_path.name == "torch" and not ex.kernels.on_torch
+    ids = _ids(_gen(22), ex.spec.vocab_size, 40)
+    assert max_abs(ex.forward(ids, 16).logits.double().log_softmax(-1), _torch_path_logprobs(folder, ids)) <= 0.05
+
+
+def test_the_engine_reports_the_check_and_answers_after_a_fallback(folders, monkeypatch):
+    from prefillonly import Engine, EngineConfig
+
+    real = gpu_ops.rms_norm
+    monkeypatch.setattr(gpu_ops, "rms_norm", lambda out, x, w, eps: real(out, x, w, eps).neg_())
+    folder = folders["llama_gqa_llama3rope_untied"]
+    engine = Engine(EngineConfig(model=folder, dtype="float16", attention_backend="triton", linear_backend="aten",
+                                 cache_budget_bytes=0, threads=1))
+    try:
+        assert engine.stats().kernel_check.startswith("fell back to torch: rms_norm (max error"), engine.stats().kernel_check
+        ids = _ids(_gen(23), engine.spec.vocab_size, 30)
+        got = engine.score(ids.tolist(), [1, 2, 3]).tokens
+        want = _torch_path_logprobs(folder, ids).reshape(-1)[[1, 2, 3]]  # over the whole vocabulary, as logprob is
+        assert max_abs(torch.tensor([t.logprob for t in got], dtype=torch.float64), want) <= 0.05
+    finally:
+        engine.close()
+
+
+def test_forcing_torch_runs_no_triton_kernel_and_no_check(monkeypatch):
+    monkeypatch.setenv("PREFILLONLY_TRITON_KERNELS", "0")
+    kernels = _choose(attention="sdpa")
+    assert kernels.self_check is None and kernels.ops.name == "torch" and kernels.attention_path.name == "torch"
+    with pytest.raises(ValueError, match="PREFILLONLY_TRITON_KERNELS=0"):
+        _choose(attention="triton")

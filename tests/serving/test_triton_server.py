@@ -232,6 +232,7 @@ def test_default_model_over_http_generate(tmp_path):
     assert {k: labels[k] for k in ("dtype", "dtype_reason")} == {"dtype": dtype, "dtype_reason": reason}
     assert labels["attention_backend"] in ("cpu_flash", "sdpa") and labels["linear_backend"] in ("aten", "onednn"), labels
     assert labels["score_head"] in score_head.HEADS, labels
+    assert labels["kernel_check"] == "none run", labels  # the Triton kernels' start-up check runs on CUDA only
     assert f"dtype {dtype}: {reason}" in log
     # the same settings in process, dtype auto too, on the backends the server timed for itself (two
     # processes may time a near tie differently, and the backends round bf16 differently)

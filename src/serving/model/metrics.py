@@ -64,9 +64,11 @@ _INFO = "prefillonly_engine_info"
 
 def engine_info_labels(stats: EngineStats) -> dict[str, str]:
     """The labels of prefillonly_engine_info: the engine's compute dtype and why it was chosen, and
-    the attention and linear backends and the score head it runs ("auto" resolved per host at start)."""
+    the attention and linear backends and the score head it runs ("auto" resolved per host at start),
+    and the Triton kernels' start-up check (what fell back to torch, if anything)."""
     return {"dtype": stats.dtype, "dtype_reason": stats.dtype_reason, "attention_backend": stats.attention_backend,
-            "linear_backend": stats.linear_backend, "score_head": stats.score_head}
+            "linear_backend": stats.linear_backend, "score_head": stats.score_head,
+            "kernel_check": stats.kernel_check or "none run"}
 
 
 _LATENCY = "prefillonly_request_latency_seconds"
