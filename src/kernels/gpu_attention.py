@@ -73,7 +73,7 @@ def _attend_paged_prefix(q, KP, VP, Table, seq, kvh, pos_m, offs_n0, offs_d, lo,
     for n0 in range(lo, paged, BLOCK_N):
         offs_n = n0 + offs_n0
         kmask = offs_n < paged
-        slot = tl.load(Table + seq * s_tb + offs_n // PAGE, mask=kmask, other=0)
+        slot = tl.load(Table + seq * s_tb + offs_n // PAGE, mask=kmask, other=0).to(tl.int64)  # slots x page stride: 64-bit
         row = slot[:, None] * s_ps + kvh * s_ph + (offs_n % PAGE)[:, None] * s_pt + offs_d[None, :]
         visible = kmask[None, :]
         if WINDOW:
@@ -128,7 +128,7 @@ def _prefill_attention_kernel(
 ):
     pid_m = tl.program_id(0)
     seq = tl.program_id(1)
-    h = tl.program_id(2)
+    h = tl.program_id(2).to(tl.int64)  # 64-bit offsets from here: heads x rows x D passes 2^31 on long prompts
     q_len = tl.load(q_len_ptr + seq)
     if pid_m * BLOCK_M >= q_len:
         return
@@ -143,14 +143,15 @@ def _prefill_attention_kernel(
     offs_d = tl.arange(0, D)
     offs_n0 = tl.arange(0, BLOCK_N)
     qmask = offs_m < q_len
-    q = tl.load(Q + h * s_qh + (q_start + offs_m)[:, None] * s_qt + offs_d[None, :], mask=qmask[:, None], other=0.0)
+    rows_m = (q_start + offs_m).to(tl.int64)
+    q = tl.load(Q + h * s_qh + rows_m[:, None] * s_qt + offs_d[None, :], mask=qmask[:, None], other=0.0)
     pos_m = first_pos + offs_m  # each query's absolute position
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
 
-    seg = kv_start + offs_n0
+    seg = (kv_start + offs_n0).to(tl.int64)
     hi = tl.minimum(ctx, first_pos + (pid_m + 1) * BLOCK_M)
     # with a window only keys (pos - window, pos] of some query of the tile: from its first query's
     # first key on (every prefix key is before every query, so the window is the only mask there)
@@ -162,7 +163,7 @@ def _prefill_attention_kernel(
                                       s_kh, s_kt, window, m_i, l_i, acc, qk_scale, softcap, BLOCK_N, WINDOW, SOFTCAP)
 
     out = acc / l_i[:, None]
-    tl.store(Out + h * s_oh + (q_start + offs_m)[:, None] * s_ot + offs_d[None, :], out.to(Out.dtype.element_ty),
+    tl.store(Out + h * s_oh + rows_m[:, None] * s_ot + offs_d[None, :], out.to(Out.dtype.element_ty),
              mask=qmask[:, None])
 
 

@@ -21,7 +21,7 @@ from .gpu_support import interpreting
 @triton.jit
 def _rms_norm_kernel(X, Delta, Out, W, s_x, s_d, s_o, rows, n, eps, ADD: tl.constexpr, ROWS: tl.constexpr,
                      BLOCK: tl.constexpr):
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # x stride passes 2^31 on long chunks
     cols = tl.arange(0, BLOCK)
     mask = (r < rows)[:, None] & (cols < n)[None, :]
     x = tl.load(X + r[:, None] * s_x + cols[None, :], mask=mask, other=0.0)
@@ -76,8 +76,8 @@ def _rope_qkv_kernel(QKV, Cos, Sin, Qd, Kd, Vd, QW, KW,
                      HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
                      QK_NORM: tl.constexpr, BT: tl.constexpr):
     """Program (token block, head): heads [0, HQ) are Q, [HQ, HQ + HKV) K, then V."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    head = tl.program_id(1)
+    t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)  # 64-bit offsets: x strides pass 2^31
+    head = tl.program_id(1).to(tl.int64)
     c = tl.arange(0, HALF_P2)
     mask = (t < n)[:, None] & (c < HALF)[None, :]
     is_q = head < HQ
@@ -133,7 +133,7 @@ def rope_qkv(q_dst: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor, qkv:
 
 @triton.jit
 def _swiglu_kernel(GU, Out, s_gu, s_o, rows, f, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # rows x 2F passes 2^31 above ~75K rows at 8B
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = (r < rows)[:, None] & (cols < f)[None, :]
     at = GU + r[:, None] * s_gu + cols[None, :]

@@ -475,3 +475,45 @@ def test_forcing_torch_runs_no_triton_kernel_and_no_check(monkeypatch):
     assert kernels.self_check is None and kernels.ops.name == "torch" and kernels.attention_path.name == "torch"
     with pytest.raises(ValueError, match="PREFILLONLY_TRITON_KERNELS=0"):
         _choose(attention="triton")
+
+
+# -- offsets past 2^31 elements ---------------------------------------------------------------------
+# Rows 2^30 + 64 elements apart: row 2 starts past 2^31, where a 32-bit row x stride product wraps
+# (to a negative offset: a wrong or illegal address). The storage is reserved, not touched: only the
+# rows read and written get pages. The largest offset checked: 3 x (2^30 + 64) + a row (~3.2e9).
+_FAR = 2 ** 30 + 64
+
+
+def _far_rows(gen, rows, width, dtype, far=_FAR):
+    """A [rows, width] view whose rows lie `far` elements apart in one huge storage, filled."""
+    base = torch.empty((rows - 1) * far + width, dtype=dtype, device=DEVICE)
+    view = base.as_strided((rows, width), (far, 1))
+    view.copy_(_randn(gen, rows, width, dtype=dtype))
+    return view
+
+
+def test_per_token_kernels_reach_rows_past_2_31_elements():
+    gen, dtype = _gen(31), DTYPES[-1]
+    gu = _far_rows(gen, 3, 2 * 40, dtype)
+    out = gpu_ops.swiglu(torch.empty(3, 40, dtype=dtype, device=DEVICE), gu)
+    want = torch.nn.functional.silu(gu[:, :40].cpu().double()) * gu[:, 40:].cpu().double()
+    assert max_abs(out.cpu(), want) <= 2 * ATTN_TOL[dtype]
+    x, w = _far_rows(gen, 3, 96, dtype), (torch.rand(96, generator=gen) + 0.5).to(DEVICE)
+    normed = gpu_ops.rms_norm(torch.empty(3, 96, dtype=dtype, device=DEVICE), x, w, 1e-5)
+    assert max_abs(normed.cpu(), _norm64(x.cpu(), w.cpu(), 1e-5)) <= 2 * ATTN_TOL[dtype]
+    qkv = _far_rows(gen, 3, 4 * 32, dtype)  # 2 q heads, 1 kv head of 32
+    q_dst, k_dst, v_dst = (torch.empty(h, 3, 32, dtype=dtype, device=DEVICE) for h in (2, 1, 1))
+    ones = torch.ones(3, 16, device=DEVICE)
+    gpu_ops.rope_qkv(q_dst, k_dst, v_dst, qkv, ones, torch.zeros_like(ones), 2, 1)  # angle 0: a copy
+    assert torch.equal(q_dst.cpu(), qkv[:, :64].cpu().view(3, 2, 32).transpose(0, 1))
+    assert torch.equal(v_dst.cpu(), qkv[:, 96:].cpu().view(3, 1, 32).transpose(0, 1))
+
+
+def test_attention_reaches_heads_past_2_31_elements():
+    """Q's heads 2^30 + 64 elements apart (head 2 starts past 2^31)."""
+    gen, dtype = _gen(32), DTYPES[-1]
+    q = _far_rows(gen, 4, 5 * 64, dtype).view(4, 5, 64)
+    k, v = (_randn(gen, 2, 9, 64, dtype=dtype) for _ in range(2))
+    want = attention_float64(q.cpu(), k.cpu(), v.cpu(), 0.125)
+    got = KernelBackend(DEVICE, dtype, 64, "triton").attention_path.attend(q, k, v, 0.125)
+    assert max_abs(got.cpu(), want) <= ATTN_TOL[dtype]
