@@ -6,8 +6,10 @@
 # Run from anywhere; it works in the repository root. Writes OUT_DIR/env.txt (nvidia-smi and
 # library versions), OUT_DIR/gpu_check.log (everything printed), OUT_DIR/gpu_check.json and
 # OUT_DIR/gpu_check.md (results, rewritten after every measurement so a cut-short run keeps
-# what it measured). Ends within 8 minutes whatever happens: every stage has a timeout, and the
-# Python part gets what is left of a 470 s allowance (at most 450 s).
+# what it measured), OUT_DIR/kernel_cases.log (the Triton kernels' cases, run natively first).
+# Ends within 8 minutes whatever happens: every stage has a timeout, and the Python part gets
+# what is left of a 470 s allowance (at most 450 s). Exits non-zero on any failed case, failed
+# row or exception, after running everything it can.
 # Set PYTHON to choose the interpreter (default: python, else python3).
 set -u
 
@@ -55,7 +57,20 @@ EOF
 } >"$OUT/env.txt"
 cat "$OUT/env.txt"
 
-# 3. The check itself, under a hard time limit; its own budget ends it cleanly before that
+# 3. The Triton kernels' own cases natively first (tests/kernels/gpu_kernel_cases.py: every kernel
+#    against float64 references, the self-check's fallbacks, offsets past 2^31): any failure, or no
+#    pytest to run them with, fails the whole check; the rest still runs.
+echo "running the Triton kernel cases natively (tests/kernels/gpu_kernel_cases.py, limit 150s)"
+timeout -k 10 150 "$PY" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/kernels/gpu_kernel_cases.py \
+    >"$OUT/kernel_cases.log" 2>&1
+KERNEL_RC=$?
+tail -3 "$OUT/kernel_cases.log"
+if [ "$KERNEL_RC" -ne 0 ] || grep -q skipped "$OUT/kernel_cases.log"; then
+    echo "FAILED: the kernel cases (status $KERNEL_RC, or some skipped): see $OUT/kernel_cases.log"
+    [ "$KERNEL_RC" -eq 0 ] && KERNEL_RC=1
+fi
+
+# 4. The check itself, under a hard time limit; its own budget ends it cleanly before that
 LIMIT=$((470 - SECONDS))
 [ "$LIMIT" -gt 450 ] && LIMIT=450
 [ "$LIMIT" -lt 60 ] && LIMIT=60
@@ -69,4 +84,5 @@ if [ "$RC" -ne 0 ]; then
     echo "perf.gpu_check exited with status $RC (124/137: hit the ${LIMIT}s limit); partial results:" | tee -a "$OUT/gpu_check.log"
     [ -f "$OUT/gpu_check.md" ] && cat "$OUT/gpu_check.md"
 fi
+[ "$RC" -eq 0 ] && RC=$KERNEL_RC
 exit "$RC"

@@ -38,6 +38,7 @@ from .config import EngineConfig
 from .model.default_model import ensure_default_model
 from .contract.errors import ConfigError, EngineClosedError
 from .worker.executor import HybridPrefillExecutor
+from .kernels import gpu_support
 from .kernels.backend import KernelBackend
 from .kernels.gpu_selfcheck import ModelShapes
 from .contract.limits import RequestLimits, derived_max_prompt_bytes, max_token_bytes, resolve_max_input_len
@@ -71,15 +72,16 @@ class Engine:
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         log.info("dtype %s (%s)", config.dtype, config.dtype_reason)  # what dtype="auto" chose here, and why
-        self.executor = self._load_executor()
-        self._load_prompts()
-        free = available_memory_bytes(self.device)
-        cache_bytes = config.cache_budget_for(free)
-        # the pool's pages are counted now even where the OS maps them lazily (CPU)
-        self.activation_budget_bytes = config.activation_budget_for(free, cache_bytes)
-        self.cache = self._make_cache(cache_bytes)
-        self.executor.forward(torch.zeros(8, dtype=torch.long), config.chunk_size)  # warm-up
-        self.jct = JctEstimator(fallback_s_per_token=self._time_per_token())
+        with gpu_support.device_scope(self.device):  # every kernel launches on the engine's device
+            self.executor = self._load_executor()
+            self._load_prompts()
+            free = available_memory_bytes(self.device)
+            cache_bytes = config.cache_budget_for(free)
+            # the pool's pages are counted now even where the OS maps them lazily (CPU)
+            self.activation_budget_bytes = config.activation_budget_for(free, cache_bytes)
+            self.cache = self._make_cache(cache_bytes)
+            self.executor.forward(torch.zeros(8, dtype=torch.long), config.chunk_size)  # warm-up
+            self.jct = JctEstimator(fallback_s_per_token=self._time_per_token())
         self.max_batch_tokens = config.batch_token_budget
         self.memory = ActivationBudget(self.spec, self.executor.kernels, config.chunk_size, self.activation_budget_bytes)
         self.runner = PrefillRunner(self.executor, self.cache, config.chunk_size, self.encoder.token_text)
@@ -317,24 +319,29 @@ class Engine:
             self.scheduler.cancel(request)
 
     def _serve(self) -> None:
-        last_step_end = 0.0
         try:
-            while True:
-                with self._cv:
-                    while not self._closed and not len(self.scheduler):
-                        self._cv.wait()
-                    if self._closed:
-                        return
-                    plan = self._schedule()
-                    # the queued work published to the fleet includes what is left of this step:
-                    # a replica busy on a long forward with nothing waiting is not idle
-                    self._step_ends_at = time.monotonic() + self.jct.predict_step(plan.shape) if plan else 0.0
-                self._deliver(plan.refused)
-                if plan or plan.moves:
-                    self._step(plan, last_step_end)
-                    last_step_end = time.monotonic()
+            with gpu_support.device_scope(self.device):  # this thread's launches on the engine's device
+                self._serve_steps()
         finally:
             self._completions.stop()  # after the last answer this worker hands over
+
+    def _serve_steps(self) -> None:
+        """Plan and run steps until closed."""
+        last_step_end = 0.0
+        while True:
+            with self._cv:
+                while not self._closed and not len(self.scheduler):
+                    self._cv.wait()
+                if self._closed:
+                    return
+                plan = self._schedule()
+                # the queued work published to the fleet includes what is left of this step:
+                # a replica busy on a long forward with nothing waiting is not idle
+                self._step_ends_at = time.monotonic() + self.jct.predict_step(plan.shape) if plan else 0.0
+            self._deliver(plan.refused)
+            if plan or plan.moves:
+                self._step(plan, last_step_end)
+                last_step_end = time.monotonic()
 
     def _schedule(self) -> StepPlan:
         """scheduler.schedule(), or, if the scheduler itself fails, an empty plan whose refusals
@@ -369,9 +376,15 @@ class Engine:
 
     def _time_per_token(self, n: int = 256) -> float:
         """Seed of the JCT estimate: one cold forward's seconds per token (the fit takes over
-        after a few real requests)."""
+        after a few real requests). On CUDA the first forward at this length compiles kernel
+        variants and returns before the GPU is done: an untimed one first, synchronised clocks."""
+        ids = torch.zeros(n, dtype=torch.long)
+        if self.device.type == "cuda":
+            self.executor.forward(ids, self.config.chunk_size)
+        gpu_support.synchronize(self.device)
         t0 = time.perf_counter()
-        self.executor.forward(torch.zeros(n, dtype=torch.long), self.config.chunk_size)
+        self.executor.forward(ids, self.config.chunk_size)
+        gpu_support.synchronize(self.device)
         return (time.perf_counter() - t0) / n
 
     # -- prefix cache -------------------------------------------------------------------------

@@ -13,6 +13,7 @@ float16, which goes through the same kernel code; bf16 is checked on a GPU (perf
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
@@ -55,3 +56,18 @@ def applies(t: torch.Tensor) -> bool:
 def attention_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     return dtype in KERNEL_DTYPES and head_dim in ATTENTION_HEAD_DIMS and runs_on(device)
 
+
+
+def device_scope(device: torch.device):
+    """A context in which kernels launch on `device`: Triton launches on the thread's current CUDA
+    device, not on its tensors', so an engine on cuda:1 must make that the current device around
+    everything it computes (its start-up and its worker's steps); elsewhere nothing to do."""
+    if device.type == "cuda" and device.index is not None:
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def synchronize(device: torch.device) -> None:
+    """Waits for the device's queued work (CUDA runs asynchronously): before reading a clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

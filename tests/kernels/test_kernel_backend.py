@@ -55,3 +55,19 @@ def test_choose_resolves_auto_and_refuses_what_cannot_run():
     with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
         KernelBackend.choose(CPU, torch.float32, 64, 4, 2, attention="fast")
 
+
+
+def test_no_self_check_where_no_triton_kernel_runs():
+    assert KernelBackend.choose(CPU, torch.float32, 64, 4, 2).self_check is None
+    assert not KernelBackend.choose(CPU, torch.float32, 64, 4, 2).on_torch
+
+
+def test_the_device_scope_makes_an_indexed_cuda_device_current_and_is_empty_elsewhere():
+    """Triton launches on the thread's current CUDA device: an engine on cuda:N computes inside
+    torch.cuda.device(N) (entering it needs a GPU: perf/gpu_check.py runs an engine on the last one)."""
+    import contextlib
+
+    assert isinstance(gpu_support.device_scope(CPU), contextlib.nullcontext)
+    scope = gpu_support.device_scope(torch.device("cuda", 1))
+    assert isinstance(scope, torch.cuda.device) and scope.idx == 1
+    gpu_support.synchronize(CPU)  # nothing to wait for, no CUDA call
