@@ -418,8 +418,11 @@ def check_engine(report: Report, plan: Plan) -> None:
     for o in other:  # push the profile's blocks to the pinned-host tier
         tiered.score(o, allowed)
     back = tiered.score(profile + posts[1], allowed, cache_prefix_len=200)
+    tier2 = tiered.cache.pools.get(2)
     row("second tier (pinned host) restore", gap(back, want[1]), cached_tokens=back.cached_tokens,
-        restored=tiered.cache.stats.blocks_restored)
+        restored=tiered.cache.stats.blocks_restored,
+        # what is really pinned against the tier's budget (equal where cudaHostRegister pinned it exactly)
+        pinned_bytes=tier2.pinned_bytes if tier2 else None, tier2_bytes=tiered.cache.capacity_bytes().get(2))
     items = plain.score_items(profile, posts, allowed)
     row("score_items == separate requests", max(gap(a, b) for a, b in zip(items, want)))
     prompts = [torch.randint(0, spec.vocab_size, (int(n),), generator=gen).tolist() for n in torch.randint(1, 300, (32,), generator=gen)]

@@ -1,8 +1,15 @@
 """KVPool: preallocated K/V storage for prefix blocks, one slot per block, all layers.
 
-Layout k, v: [layers, slots, kv_heads, block_size, head_dim]. A request's cached prefix is
-gathered per layer (index_select over its slots) straight into the executor's K/V buffers,
-so only one layer's prefix is ever materialised outside the pool. h: [slots, block_size, hidden]
+Layout k, v: [slots, layers, kv_heads, block_size, head_dim]: a slot (one block, every layer) is
+contiguous, so moving a block between tiers is one contiguous copy each of k and v (between the
+GPU and pinned host memory a direct asynchronous DMA; a strided slot would go through a pageable
+temporary, synchronously). A request's cached prefix is gathered per layer (index_select over its
+slots of `pages(layer)`) straight into the executor's K/V buffers, so only one layer's prefix is
+ever materialised outside the pool; the Triton kernel reads `pages(layer)` in place by strides.
+On CUDA the second tier is host memory pinned at its exact size (registered with the CUDA runtime;
+torch's pinned allocator would round each tensor up to a power of two, pinning up to twice the
+budget unseen); where registering fails it falls back to that allocator and `pinned_bytes` counts
+the rounded size. h: [slots, block_size, hidden]
 (hidden_size > 0): each position's final hidden state (the residual stream after the last layer,
 before the final norm), so that a logprob span starting inside cached blocks needs no recompute:
 the LM head runs on these rows. span: [slots, block_size, 3] float32 (with h): where a logprob
@@ -25,14 +32,29 @@ SPAN_VALUE_BYTES = SPAN_VALUES * 4  # float32 each
 class KVPool:
     def __init__(self, num_layers: int, slots: int, kv_heads: int, block_size: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, pin_memory: bool = False, hidden_size: int = 0):
-        shape = (num_layers, slots, kv_heads, block_size, head_dim)
+        shape = (slots, num_layers, kv_heads, block_size, head_dim)
         self.block_size = block_size
-        self.k = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
-        self.v = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
-        self.h = torch.empty((slots, block_size, hidden_size), dtype=dtype, device=device, pin_memory=pin_memory) \
-            if hidden_size else None
-        self.span = torch.full((slots, block_size, SPAN_VALUES), float("nan"), device=device, pin_memory=pin_memory) \
-            if hidden_size else None
+        self.pinned_bytes = 0  # host bytes really pinned for this pool (0: not a pinned tier)
+        empty = (lambda shape, dtype: self._pinned_empty(shape, dtype)) if pin_memory else \
+            (lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device))  # noqa: E731
+        self.k = empty(shape, dtype)
+        self.v = empty(shape, dtype)
+        self.h = empty((slots, block_size, hidden_size), dtype) if hidden_size else None
+        self.span = empty((slots, block_size, SPAN_VALUES), torch.float32).fill_(float("nan")) if hidden_size else None
+
+    def _pinned_empty(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """Host memory pinned at its exact size (CUDA hosts only: the second tier)."""
+        t = torch.empty(shape, dtype=dtype)
+        if t.numel() and not _register_pinned(t):
+            t = torch.empty(shape, dtype=dtype, pin_memory=True)  # torch's allocator: a power of two
+            self.pinned_bytes += 1 << (t.nbytes - 1).bit_length()
+            return t
+        self.pinned_bytes += t.nbytes
+        return t
+
+    def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's k and v blocks, [slots, kv_heads, block_size, head_dim] views of the pool."""
+        return self.k[:, layer], self.v[:, layer]
 
     @staticmethod
     def bytes_per_block(num_layers: int, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype,
@@ -44,16 +66,16 @@ class KVPool:
     def read(self, layer: int, slots: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor) -> None:
         """k_dst, v_dst: [kv_heads, n, head_dim] with n <= len(slots) * block_size."""
         n = k_dst.shape[1]
-        for pool, dst in ((self.k, k_dst), (self.v, v_dst)):
-            blocks = pool[layer].index_select(0, slots)  # [n_blocks, Hkv, B, hd]
+        for pages, dst in zip(self.pages(layer), (k_dst, v_dst)):
+            blocks = pages.index_select(0, slots)  # [n_blocks, Hkv, B, hd]
             dst.copy_(blocks.transpose(0, 1).reshape(dst.shape[0], -1, dst.shape[2])[:, :n])
 
     def write(self, layer: int, slots: torch.Tensor, k_src: torch.Tensor, v_src: torch.Tensor) -> None:
         """k_src, v_src: [kv_heads, len(slots) * block_size, head_dim]."""
         n_blocks = slots.shape[0]
-        for pool, src in ((self.k, k_src), (self.v, v_src)):
+        for pages, src in zip(self.pages(layer), (k_src, v_src)):
             h, _, d = src.shape
-            pool[layer].index_copy_(0, slots, src.reshape(h, n_blocks, self.block_size, d).transpose(0, 1))
+            pages.index_copy_(0, slots, src.reshape(h, n_blocks, self.block_size, d).transpose(0, 1))
 
     def read_hidden(self, slots: torch.Tensor, start: int, dst: torch.Tensor) -> None:
         """dst [n, hidden] = the final hidden states of positions [start, start + n) of the prefix
@@ -91,8 +113,18 @@ class KVPool:
     def copy_slot(self, src_slot: int, dst: "KVPool", dst_slot: int) -> None:
         """One block, every layer (and its hidden states), to a slot of `dst` (another tier); async where possible."""
         non_blocking = self.k.device.type != dst.k.device.type
-        dst.k[:, dst_slot].copy_(self.k[:, src_slot], non_blocking=non_blocking)
-        dst.v[:, dst_slot].copy_(self.v[:, src_slot], non_blocking=non_blocking)
+        dst.k[dst_slot].copy_(self.k[src_slot], non_blocking=non_blocking)  # contiguous: one DMA each
+        dst.v[dst_slot].copy_(self.v[src_slot], non_blocking=non_blocking)
         if self.h is not None and dst.h is not None:
             dst.h[dst_slot].copy_(self.h[src_slot], non_blocking=non_blocking)
             dst.span[dst_slot].copy_(self.span[src_slot], non_blocking=non_blocking)
+
+
+def _register_pinned(t: torch.Tensor) -> bool:
+    """Pin t's memory where it lies (cudaHostRegister), exactly its bytes; False where that fails.
+    Registered for the life of the process, as the pool that owns it."""
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, 0)
+        return int(getattr(err, "value", err)) == 0 and t.is_pinned()
+    except Exception:  # noqa: BLE001 - any failure means torch's pinned allocator instead
+        return False

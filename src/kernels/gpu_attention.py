@@ -11,7 +11,7 @@ Layouts (strides are passed, so views work):
   q, out   [Hq, rows, D]        out may be q itself: a program reads its query tile before it
                                 writes its output tile, and no other program touches those rows
   k, v     [Hkv, kv_rows, D]    the workspace's per-layer K/V (sequence segments back to back)
-  pages    [slots, Hkv, B, D]   one layer of the prefix pool (kv_pool.KVPool.k[layer])
+  pages    [slots, Hkv, B, D]   one layer of the prefix pool (kv_pool.KVPool.pages(layer), by strides)
   table    [n_seq, max_blocks]  int32 slot of each prefix block
 
 Online softmax in float32 (exp2 with log2(e) folded into the scale), GQA by indexing (query head
@@ -259,5 +259,5 @@ class BatchAttention:
 
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0,
             softcap: float = 0.0) -> torch.Tensor:
-        pages = (self.pool.k[layer], self.pool.v[layer], self.table) if self.pool is not None else None
+        pages = (*self.pool.pages(layer), self.table) if self.pool is not None else None
         return prefill_attention(q, k, v, q, self.layout, self.scale, pages, window=window, softcap=softcap)

@@ -431,3 +431,22 @@ def test_longrope_regimes_never_share_cached_blocks(family_folders):
             assert [t.logprob for t in g.tokens] == pytest.approx([t.logprob for t in w.tokens], abs=1e-4)
         with pytest.raises(InvalidRequestError, match="both sides of 64 tokens"):
             engine.score_items(profile, [[1] * 5, [2] * 30], [5, 17])
+
+
+def test_a_pool_slot_is_one_contiguous_block_of_every_layer():
+    """Slot-major: moving a block between tiers is one contiguous copy of k and of v (on CUDA a
+    direct DMA to pinned memory, where a strided slot would go through a pageable temporary); a
+    layer's pages are views the attention kernels read by strides. Nothing is pinned on CPU."""
+    g = torch.Generator().manual_seed(3)
+    pool = KVPool(3, 4, 2, B, 8, torch.float32, torch.device("cpu"))
+    pool.k.zero_(), pool.v.zero_()
+    assert pool.k[1].is_contiguous() and pool.k[1].shape == (3, 2, B, 8) and pool.pinned_bytes == 0
+    k_pages, v_pages = pool.pages(2)
+    assert k_pages.shape == (4, 2, B, 8) and k_pages.data_ptr() == pool.k[0, 2].data_ptr()
+    k, v = torch.randn(2, 2 * B, 8, generator=g), torch.randn(2, 2 * B, 8, generator=g)
+    pool.write(2, torch.tensor([3, 1]), k, v)
+    assert torch.equal(pool.k[3, 2], k[:, :B]) and torch.equal(pool.v[1, 2], v[:, B:])
+    assert not pool.k[:, :2].any() and not pool.v[:, :2].any()  # the other layers untouched
+    k_back, v_back = torch.empty(2, 2 * B - 3, 8), torch.empty(2, 2 * B - 3, 8)
+    pool.read(2, torch.tensor([3, 1]), k_back, v_back)
+    assert torch.equal(k_back, k[:, : 2 * B - 3]) and torch.equal(v_back, v[:, : 2 * B - 3])
