@@ -118,8 +118,7 @@ class Engine:
         weights = ModelWeights.load(self.model_path, spec, self.dtype, self.device)
         kernels = KernelBackend.choose(self.device, self.dtype, spec.head_dim, spec.num_heads, spec.num_kv_heads,
                                        config.attention_backend, config.linear_backend, weights.layers[0].projections(),
-                                       config.head_dtype, ModelShapes(spec.hidden_size, spec.intermediate_size, spec.sliding_window or 0,
-                                                                      spec.attention_softcap or 0.0, spec.qk_norm))
+                                       config.head_dtype, ModelShapes.of(spec, config.cache_block_size))
         self.weight_bytes = weights.nbytes()
         return HybridPrefillExecutor(spec, weights, kernels)
 

@@ -30,7 +30,8 @@ import torch
 log = logging.getLogger("prefillonly")
 
 TOLERANCE_EPS = 8
-ATTENTION_KERNELS = ("attention_whole", "attention_cached_prefix", "attention_one_row")
+ATTENTION_KERNELS = ("attention_whole", "attention_cached_prefix", "attention_one_row", "attention_paged_prefix",
+                     "attention_sliding")
 OP_KERNELS = ("rms_norm", "add_rms_norm", "rope_qkv", "swiglu")
 _ROWS, _PREFIX = 37, 45  # odd, not a multiple of any tile or page
 
@@ -45,6 +46,13 @@ class ModelShapes:
     window: int = 0  # sliding window (0: none)
     softcap: float = 0.0  # attention soft cap (0: none)
     qk_norm: bool = False
+    page: int = 16  # the prefix cache's block size: the paged read compiles per page size
+
+    @classmethod
+    def of(cls, spec, page: int = 16) -> "ModelShapes":
+        """A model.spec.ModelSpec's shapes, with the prefix cache's block size."""
+        return cls(spec.hidden_size, spec.intermediate_size, spec.sliding_window or 0, spec.attention_softcap or 0.0,
+                   spec.qk_norm, page)
 
 
 @dataclass(frozen=True)
@@ -113,25 +121,52 @@ def _randn(gen: torch.Generator, *shape, device, dtype) -> torch.Tensor:
 
 
 def _attention_cases(device, dtype, head_dim, q_heads, kv_heads, model: ModelShapes, gen):
-    """(name, run) pairs: run() -> (the kernel's output, torch's)."""
+    """(name, run) pairs: run() -> (the kernel's output, torch's). Full-attention layers first
+    (every model has them, windowed models too: Gemma mixes both), then the sliding window
+    where the model has one, short enough to bite inside these rows."""
     from .attention import causal_attention
     from .attention_paths import TritonAttention
 
     path, scale = TritonAttention(device), head_dim ** -0.5
-    # a window short enough to bite inside these rows, the model's own where it is shorter
-    window = min(model.window, _ROWS // 2) if model.window else 0
+    randn = lambda *shape: _randn(gen, *shape, device=device, dtype=dtype)  # noqa: E731
 
-    def case(rows: int, prefix: int):
-        q = _randn(gen, q_heads, rows, head_dim, device=device, dtype=dtype)
-        k, v = (_randn(gen, kv_heads, prefix + rows, head_dim, device=device, dtype=dtype) for _ in range(2))
+    def case(rows: int, prefix: int, window: int = 0):
+        q, k, v = randn(q_heads, rows, head_dim), randn(kv_heads, prefix + rows, head_dim), randn(kv_heads, prefix + rows, head_dim)
 
         def run():
             want = causal_attention(q.float(), k.float(), v.float(), scale, "sdpa", window, model.softcap)
             return path.attend(q.clone(), k, v, scale, window=window, softcap=model.softcap), want
         return run
 
-    return [("attention_whole", case(_ROWS, 0)), ("attention_cached_prefix", case(_ROWS, _PREFIX)),
-            ("attention_one_row", case(1, _PREFIX))]
+    cases = [("attention_whole", case(_ROWS, 0)), ("attention_cached_prefix", case(_ROWS, _PREFIX)),
+             ("attention_one_row", case(1, _PREFIX)), ("attention_paged_prefix", _paged_case(device, dtype, head_dim, q_heads, kv_heads, model, gen))]
+    if model.window:
+        cases.append(("attention_sliding", case(_ROWS, _PREFIX, min(model.window, _ROWS // 2))))
+    return cases
+
+
+def _paged_case(device, dtype, head_dim, q_heads, kv_heads, model: ModelShapes, gen):
+    """A warm request as the engine runs one on this kernel: its prefix read in place from the
+    prefix pool's blocks (3 of `model.page` tokens, in shuffled slots), its new rows after it."""
+    from ..cache.kv_pool import KVPool
+    from .attention import causal_attention
+    from .gpu_attention import BatchAttention
+
+    blocks, rows, scale = 3, _ROWS, head_dim ** -0.5
+    prefix = blocks * model.page
+    pool = KVPool(1, blocks + 2, kv_heads, model.page, head_dim, dtype, device)
+    slots = torch.tensor([3, 0, 4], device=device)
+    k_prefix, v_prefix = (_randn(gen, kv_heads, prefix, head_dim, device=device, dtype=dtype) for _ in range(2))
+    pool.write(0, slots, k_prefix, v_prefix)
+    q = _randn(gen, q_heads, rows, head_dim, device=device, dtype=dtype)
+    k, v = (_randn(gen, kv_heads, prefix + rows, head_dim, device=device, dtype=dtype) for _ in range(2))  # prefix rows unread
+
+    def run():
+        want = causal_attention(q.float(), torch.cat([k_prefix, k[:, prefix:]], 1).float(),
+                                torch.cat([v_prefix, v[:, prefix:]], 1).float(), scale, "sdpa", 0, model.softcap)
+        launch = BatchAttention([0], [rows], [0], [prefix], [(pool, slots)], scale, device)
+        return launch.run(0, q.clone(), k, v, 0, model.softcap), want
+    return run
 
 
 def _op_cases(device, dtype, head_dim, q_heads, kv_heads, model: ModelShapes, gen):
