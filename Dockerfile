@@ -19,6 +19,12 @@ COPY src ./src
 # CPU-only pins of requirements.txt (torch, the test-time Triton server wheel, the SDKs and the
 # evaluation harness only the tests call) are left out, and so is the triton pin: torch 2.5.1 brings its own triton 3.1.0, which the
 # kernels support. tritonclient stays: the scoring-API frontend calls Triton with it.
+# Versions checked: the Triton kernels' cases (tests/kernels/gpu_kernel_cases.py: every kernel, the
+# start-up self-check's fallbacks, offsets past 2^31) pass under Triton's interpreter with this
+# image's triton 3.1.0 and with requirements.txt's 3.6.0 (2026-12-07); neither has run them on a
+# GPU yet. perf/gpu_check.sh records the torch and triton it runs with (OUT/env.txt): run it inside
+# this image to check the image's own pair natively; the engine self-checks its kernels at start
+# either way and runs torch for any that fail.
 RUN python3 -m pip install --no-cache-dir torch==2.5.1 \
  && grep -v -E '^(torch|triton|nvidia-pytriton|cohere|openai|lm-eval|pyarrow|langchain-cohere|litellm|llama-index-core|llama-index-postprocessor-tei-rerank|llama-index-postprocessor-jinaai-rerank)(==|\[)' requirements.txt > /tmp/req.txt \
  && python3 -m pip install --no-cache-dir -r /tmp/req.txt \
