@@ -69,8 +69,9 @@ class _PoolSink:
         self.pool, self.slots, self.start = pool, slots, start
         self.end = start + slots.shape[0] * pool.block_size
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.pool.write(layer, self.slots, k[:, self.start : self.end], v[:, self.start : self.end])
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, first_position: int = 0) -> None:
+        a, b = self.start - first_position, self.end - first_position
+        self.pool.write(layer, self.slots, k[:, a:b], v[:, a:b])
 
     def store_hidden(self, rows: torch.Tensor, first_position: int) -> None:
         """rows: the final hidden states of positions [first_position, first_position + len(rows))."""

@@ -39,8 +39,9 @@ class PrefixSource(Protocol):
 
 
 class KVSink(Protocol):
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Take what it keeps of this layer's full K/V buffers ([kv_heads, P + S, head_dim])."""
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, first_position: int = 0) -> None:
+        """Take what it keeps of this layer's K/V buffers ([kv_heads, rows, head_dim]) of positions
+        [first_position, + rows): the whole P + S, or from P on where the prefix was read in place."""
 
     def store_hidden(self, rows: torch.Tensor, first_position: int) -> None:
         """Take what it keeps of the final hidden states of positions [first_position, + len(rows))."""
@@ -114,9 +115,10 @@ class CaptureSink:
     end: int
     captured: PrefixKV = field(default_factory=lambda: PrefixKV([], []))
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.captured.keys.append(k[:, self.start : self.end].clone())
-        self.captured.values.append(v[:, self.start : self.end].clone())
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, first_position: int = 0) -> None:
+        a, b = self.start - first_position, self.end - first_position
+        self.captured.keys.append(k[:, a:b].clone())
+        self.captured.values.append(v[:, a:b].clone())
 
     def store_hidden(self, rows: torch.Tensor, first_position: int) -> None:
         pass  # a capture is K/V for items that follow it
@@ -131,9 +133,9 @@ class Sinks:
     def __init__(self, *sinks: KVSink | None):
         self.sinks = [s for s in sinks if s is not None]
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, first_position: int = 0) -> None:
         for s in self.sinks:
-            s.store(layer, k, v)
+            s.store(layer, k, v, first_position)
 
     def store_hidden(self, rows: torch.Tensor, first_position: int) -> None:
         for s in self.sinks:

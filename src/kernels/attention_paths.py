@@ -55,6 +55,11 @@ class AttentionPath:
         output, over q where the path writes there or `inplace` asks, else a new tensor."""
         raise NotImplementedError
 
+    def in_place(self, batch) -> list[bool]:
+        """Per sequence of `batch`, whether its prefix is read where it lies (the workspace then
+        holds no rows for it): never, but on the Triton path."""
+        return [False] * len(batch.sequences)
+
     def begin(self, batch, buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scale: float, inplace: bool):
         """One forward's attention over `batch` (an executor.ForwardBatch) whose Q/K/V live in
         `buffers` (the workspace's whole q, k, v): sequences after one captured prefix read it
@@ -170,6 +175,9 @@ class TritonAttention(AttentionPath):
         launch = gpu_attention.BatchAttention([0], [lq], [0], [lk - lq], [None], scale, q.device)
         return launch.run(0, q, k, v, window, softcap)
 
+    def in_place(self, batch):
+        return [pg is not None for pg in _paged_prefixes(batch)]
+
     def begin(self, batch, buffers, scale, inplace):
         return TritonPass(batch, buffers, scale, self.device)
 
@@ -188,8 +196,11 @@ class TritonPass:
         paged = _paged_prefixes(batch)
         self.buffers = buffers
         self.loads = [s.prefix_tokens > 0 and pg is None for s, pg in zip(batch.sequences, paged)]  # the rest read in place
+        # the kernel finds position t of a sequence at workspace row kv_start + t: a segment without
+        # its paged prefix's rows starts that many rows "before" its first row (reads begin at t = P)
+        kv_starts = [a - off for a, off in zip(batch.kv_starts, batch.first_positions)]
         self.launch = gpu_attention.BatchAttention(
-            batch.row_starts, [s.new_tokens for s in batch.sequences], batch.kv_starts,
+            batch.row_starts, [s.new_tokens for s in batch.sequences], kv_starts,
             [s.prefix_tokens for s in batch.sequences], paged, scale, device)
 
     def run(self, layer: int, qs: list, ks: list, vs: list, window: int, softcap: float) -> list[torch.Tensor]:

@@ -68,18 +68,24 @@ class Sequence:
 @dataclass
 class ForwardBatch:
     """B sequences computed in one forward. Row r of the packed new tokens belongs to the
-    sequence whose [row_start, row_start + S) holds it; its K/V segment starts at kv_start."""
+    sequence whose [row_start, row_start + S) holds it; its K/V segment starts at kv_start and
+    holds positions [first_position, P + S): from 0, or from P where attention reads the prefix
+    where it lies (`in_place`, the Triton kernel's pool blocks: no workspace rows for it)."""
 
     sequences: list[Sequence]
+    in_place: list[bool] | None = None  # per sequence; None: no prefix is read in place
     row_starts: list[int] = field(init=False)
     kv_starts: list[int] = field(init=False)
+    first_positions: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.sequences:
             raise ValueError("a ForwardBatch needs at least one sequence")
+        in_place = self.in_place or [False] * len(self.sequences)
+        self.first_positions = [s.prefix_tokens if here else 0 for s, here in zip(self.sequences, in_place)]
         self.row_starts, self.kv_starts = [], []
         rows = kv = 0
-        for s in self.sequences:
+        for s, first in zip(self.sequences, self.first_positions):
             if s.new_tokens < 1:
                 raise ValueError("every sequence needs at least one new token")
             if not 0 <= s.logprob_rows < s.prefix_tokens + s.new_tokens:
@@ -90,7 +96,7 @@ class ForwardBatch:
             self.row_starts.append(rows)
             self.kv_starts.append(kv)
             rows += s.new_tokens
-            kv += s.prefix_tokens + s.new_tokens
+            kv += s.prefix_tokens - first + s.new_tokens
 
     @property
     def new_tokens(self) -> int:
@@ -99,6 +105,11 @@ class ForwardBatch:
     @property
     def prefix_tokens(self) -> int:
         return sum(s.prefix_tokens for s in self.sequences)
+
+    @property
+    def resident_prefix_tokens(self) -> int:
+        """The prefix positions the workspace holds (those not read in place)."""
+        return self.prefix_tokens - sum(self.first_positions)
 
     def pieces(self, c0: int, c1: int) -> list[tuple[int, int, int]]:
         """The parts of packed rows [c0, c1) by sequence: (sequence index, first local row, end local row)."""
@@ -184,10 +195,13 @@ class HybridPrefillExecutor:
         CPU only). The compiled CPU kernel and the Triton kernel always write over Q: it costs
         nothing there.
         """
+        in_place = self.kernels.attention_path.in_place(batch)
+        if any(in_place):  # no workspace rows for the prefixes attention reads where they lie
+            batch = ForwardBatch(batch.sequences, in_place)
         spec, seqs = self.spec, batch.sequences
         captures = [CaptureSink(*s.capture) if s.capture else None for s in seqs]
         sinks = [Sinks(s.sink, c) if (s.sink is not None or c is not None) else None for s, c in zip(seqs, captures)]
-        plan = plan_workspace(spec, batch.new_tokens, chunk_size, self.dtype, batch.prefix_tokens,
+        plan = plan_workspace(spec, batch.new_tokens, chunk_size, self.dtype, batch.resident_prefix_tokens,
                               fp32_scratch=self.kernels.norm_scratch(spec.qk_norm), linear_outputs=self.kernels.linear_outputs)
         ws = allocate(plan, self.device)
         ids = torch.cat([s.token_ids for s in seqs]) if len(seqs) > 1 else seqs[0].token_ids
@@ -196,10 +210,11 @@ class HybridPrefillExecutor:
             ws["hidden"].mul_(torch.tensor(spec.embed_scale, dtype=self.dtype))
         chunks = [(c0, min(plan.new_tokens, c0 + plan.chunk)) for c0 in range(0, plan.new_tokens, plan.chunk)]
         pieces = self._rope_pieces(batch, chunks)
-        # per sequence: its queries (packed rows) and its K/V segment ([Hkv, P + S, hd])
+        # per sequence: its queries (packed rows) and its K/V segment ([Hkv, P + S, hd]; from P where in place)
         qs = [ws["q"][:, r : r + s.new_tokens] for r, s in zip(batch.row_starts, seqs)]
-        ks = [ws["k"][:, a : a + s.prefix_tokens + s.new_tokens] for a, s in zip(batch.kv_starts, seqs)]
-        vs = [ws["v"][:, a : a + s.prefix_tokens + s.new_tokens] for a, s in zip(batch.kv_starts, seqs)]
+        held = [s.prefix_tokens - first for s, first in zip(seqs, batch.first_positions)]  # prefix rows in the segment
+        ks = [ws["k"][:, a : a + p + s.new_tokens] for a, p, s in zip(batch.kv_starts, held, seqs)]
+        vs = [ws["v"][:, a : a + p + s.new_tokens] for a, p, s in zip(batch.kv_starts, held, seqs)]
         attention = self.kernels.attention_path.begin(batch, (ws["q"], ws["k"], ws["v"]), self.scale, inplace_attention)
 
         softcap = spec.attention_softcap or 0.0
@@ -209,10 +224,10 @@ class HybridPrefillExecutor:
                 if load:
                     s.prefix.load(li, k[:, : s.prefix_tokens], v[:, : s.prefix_tokens])
             for (c0, c1), chunk_pieces in zip(chunks, layer_pieces):
-                self._qkv_chunk(layer, ws, c0, c1, chunk_pieces, seqs, ks, vs)
-            for sink, k, v in zip(sinks, ks, vs):
+                self._qkv_chunk(layer, ws, c0, c1, chunk_pieces, held, ks, vs)
+            for sink, k, v, first in zip(sinks, ks, vs, batch.first_positions):
                 if sink is not None:
-                    sink.store(li, k, v)
+                    sink.store(li, k, v, first)
             attn = attention.run(li, qs, ks, vs, window, softcap)  # per sequence: over its q, or a new tensor
             for (c0, c1), chunk_pieces in zip(chunks, layer_pieces):
                 self._mlp_chunk(layer, ws, attn, c0, c1, chunk_pieces)
@@ -318,8 +333,9 @@ class HybridPrefillExecutor:
             rows[p - a :].copy_(ws["hidden"][row_start : row_start + b - p])
         return rows
 
-    def _qkv_chunk(self, layer, ws, c0, c1, pieces, seqs, ks, vs) -> None:
-        """A. packed rows [c0, c1): norm, fused QKV, (q/k norm), RoPE -> each sequence's Q/K/V."""
+    def _qkv_chunk(self, layer, ws, c0, c1, pieces, held, ks, vs) -> None:
+        """A. packed rows [c0, c1): norm, fused QKV, (q/k norm), RoPE -> each sequence's Q/K/V
+        (`held`: the prefix rows before its new ones in its K/V segment)."""
         spec, n = self.spec, c1 - c0
         x = self.ops.rms_norm_into(ws["normed"][:n], ws["hidden"][c0:c1], layer.input_norm, spec.rms_norm_eps, ws["scratch32"][:n, : spec.hidden_size])
         out = self.gemm(ws["qkv"][:n], x, layer.wqkv, layer.bqkv)  # ws["qkv"] or a new tensor (kernels.linear)
@@ -327,7 +343,7 @@ class HybridPrefillExecutor:
         row = c0
         for i, r0, r1, cos, sin in pieces:
             a, b = row - c0, row - c0 + (r1 - r0)  # the piece's rows within this chunk
-            p = seqs[i].prefix_tokens
+            p = held[i]
             self.ops.rope_qkv_into(ws["q"][:, row : row + (r1 - r0)], ks[i][:, p + r0 : p + r1], vs[i][:, p + r0 : p + r1], out[a:b],
                           cos, sin, spec.num_heads, spec.num_kv_heads, qk_norm, ws["scratch32"][a:b])
             row += r1 - r0

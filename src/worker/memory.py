@@ -75,7 +75,10 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
     e = torch.tensor([], dtype=dtype).element_size()
     s = sum(n for n, _ in members)
     b = len(members)
-    plan = plan_workspace(spec, s, chunk_size, dtype, sum(p for _, p in members),
+    # a step's members' cached prefixes come from the prefix pool, which the Triton kernel reads in
+    # place (no workspace rows: executor.ForwardBatch.in_place); a captured one (multi-item) is loaded
+    pooled_in_place = kernels.attention_path.reads_prefix_in_place and not captured_tokens
+    plan = plan_workspace(spec, s, chunk_size, dtype, 0 if pooled_in_place else sum(p for _, p in members),
                           fp32_scratch=kernels.norm_scratch(spec.qk_norm), linear_outputs=kernels.linear_outputs)
     attention = _attention_bytes(spec, members, kernels, inplace_attention)
     linear = _linear_call_bytes(spec, plan.chunk, b, kernels)

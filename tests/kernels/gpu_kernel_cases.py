@@ -343,10 +343,16 @@ def _begin(cache: PrefixCache, ids: torch.Tensor, kept_blocks: int):
     return ticket, cache.access(ticket)
 
 
-def test_warm_requests_read_the_pool_in_place_batched(folders):
+def test_warm_requests_read_the_pool_in_place_batched(folders, monkeypatch):
     """Prefixes cached in a real PrefixCache: a batch of warm requests whose attention reads the
-    pool's blocks in place (no load) equals each prompt computed whole, and so does a request
-    whose prefix is a captured PrefixKV (loaded) in the same batch."""
+    pool's blocks in place (no load, and no workspace rows for them) equals each prompt computed
+    whole, and so does a request whose prefix is a captured PrefixKV (loaded) in the same batch.
+    The memory prediction of the pooled requests' step plans no prefix rows either."""
+    from prefillonly.worker import executor as executor_module
+    from prefillonly.worker.memory import batch_peak_components
+    from prefillonly.worker.workspace import plan_workspace
+
+    real_allocate = executor_module.allocate
     folder = folders["llama_gqa_llama3rope_untied"]
     ex = _executor(folder, DTYPES[-1])
     spec, gen = ex.spec, _gen(11)
@@ -371,8 +377,17 @@ def test_warm_requests_read_the_pool_in_place_batched(folders):
     tail = _ids(gen, spec.vocab_size, 5)
     seqs.append(Sequence(tail, prefix=captured))
     wholes.append(ex.forward(torch.cat([shared, tail]), None).logits.double().log_softmax(-1))
+    plans = []
+    monkeypatch.setattr(executor_module, "allocate", lambda plan, device: plans.append(plan) or real_allocate(plan, device))
     out = ex.forward_batch(ForwardBatch(seqs), 24).logits.double().log_softmax(-1)
     assert not loads
+    # the workspace holds the new rows and the captured (loaded) prefix, no row of a pooled prefix
+    new_rows = sum(s.new_tokens for s in seqs)
+    assert plans[-1].shapes["k"][0][1] == new_rows + 20 == plans[-1].prefix_tokens + plans[-1].new_tokens
+    members = [(s.new_tokens, s.prefix_tokens) for s in seqs[:-1]]
+    predicted = batch_peak_components(spec, members, 24, ex.kernels)["workspace"]
+    assert predicted == plan_workspace(spec, sum(n for n, _ in members), 24, DTYPES[-1], 0,
+                                       fp32_scratch=ex.kernels.norm_scratch(spec.qk_norm)).nbytes()
     for i, whole in enumerate(wholes):
         assert max_abs(out[i], whole) <= 0.05, i
     for t in tickets:
@@ -517,3 +532,25 @@ def test_attention_reaches_heads_past_2_31_elements():
     want = attention_float64(q.cpu(), k.cpu(), v.cpu(), 0.125)
     got = KernelBackend(DEVICE, dtype, 64, "triton").attention_path.attend(q, k, v, 0.125)
     assert max_abs(got.cpu(), want) <= ATTN_TOL[dtype]
+
+
+def test_an_engine_on_the_triton_path_keeps_and_reads_blocks_written_after_an_in_place_prefix(folders):
+    """Warm requests whose prefix is read in place keep their new blocks (the sink finds them at
+    their absolute positions in a segment that starts at P): a third request over both answers as
+    the torch path computes the whole prompt."""
+    from prefillonly import Engine, EngineConfig
+
+    folder = folders["llama_gqa_llama3rope_untied"]
+    gen = _gen(41)
+    vocab = ModelSpec.from_folder(folder).vocab_size
+    first = _ids(gen, vocab, 48).tolist()
+    second = first + _ids(gen, vocab, 37).tolist()
+    third = second + _ids(gen, vocab, 9).tolist()
+    with Engine(EngineConfig(model=folder, dtype="float16", attention_backend="triton", linear_backend="aten", threads=1,
+                             cache_budget_bytes=8 << 20)) as engine:
+        assert engine.executor.kernels.attention_path.reads_prefix_in_place
+        results = [engine.score(ids, [1, 2, 3]) for ids in (first, second, third)]
+    assert [r.cached_tokens for r in results] == [0, 48, 80]  # the second request's new blocks were kept and read
+    for ids, r in zip((first, second, third), results):
+        want = _torch_path_logprobs(folder, torch.tensor(ids)).reshape(-1)[[1, 2, 3]]
+        assert max_abs(torch.tensor([t.logprob for t in r.tokens], dtype=torch.float64), want) <= 0.05
