@@ -75,10 +75,7 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
     e = torch.tensor([], dtype=dtype).element_size()
     s = sum(n for n, _ in members)
     b = len(members)
-    # a step's members' cached prefixes come from the prefix pool, which the Triton kernel reads in
-    # place (no workspace rows: executor.ForwardBatch.in_place); a captured one (multi-item) is loaded
-    pooled_in_place = kernels.attention_path.reads_prefix_in_place and not captured_tokens
-    plan = plan_workspace(spec, s, chunk_size, dtype, 0 if pooled_in_place else sum(p for _, p in members),
+    plan = plan_workspace(spec, s, chunk_size, dtype, _held_prefix_rows(members, kernels, captured_tokens),
                           fp32_scratch=kernels.norm_scratch(spec.qk_norm), linear_outputs=kernels.linear_outputs)
     attention = _attention_bytes(spec, members, kernels, inplace_attention)
     linear = _linear_call_bytes(spec, plan.chunk, b, kernels)
@@ -99,6 +96,15 @@ def batch_peak_components(spec: ModelSpec, members: list[tuple[int, int]], chunk
         pages=_PAGE * (len(plan.shapes) + 2 * pieces + 8 + (2 * b if b > 1 else 0)),  # workspace, RoPE tables, the few others
         unseen=UNSEEN_BYTES,
     )
+
+
+def _held_prefix_rows(members: list[tuple[int, int]], kernels: KernelBackend, captured_tokens: int) -> int:
+    """The members' prefix positions the workspace holds: a step's cached prefixes come from the
+    prefix pool, which the Triton kernel reads in place (no rows: executor.ForwardBatch.in_place);
+    a captured one (multi-item, `captured_tokens` > 0) is loaded into the segment."""
+    if kernels.attention_path.reads_prefix_in_place and not captured_tokens:
+        return 0
+    return sum(p for _, p in members)
 
 
 def _attention_bytes(spec: ModelSpec, members: list[tuple[int, int]], kernels: KernelBackend, inplace: bool) -> int:
