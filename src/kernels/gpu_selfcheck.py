@@ -15,7 +15,8 @@ TorchOps in the served dtype) under one stated bound:
 accumulation over these short rows; an indexing or masking mistake is off by O(1)). A kernel
 that raises or misses the bound is logged with why and replaced by torch for the engine's life
 (KernelBackend.choose): attention by SDPA (or flash-attn), an op by TorchOps' version of it. Running
-them here also compiles every variant the engine launches, so none compiles during a request.
+them here also compiles every variant the engine launches (the ops at 1, 37 and 48 rows: Triton
+specialises an integer argument equal to 1 or divisible by 16), so none compiles during a request.
 Under TRITON_INTERPRET=1 on CPU (float16) the same checks run; that is how the CPU suite tests the
 fallback with a deliberately wrong and a raising kernel.
 """
@@ -34,6 +35,9 @@ ATTENTION_KERNELS = ("attention_whole", "attention_cached_prefix", "attention_on
                      "attention_sliding")
 OP_KERNELS = ("rms_norm", "add_rms_norm", "rope_qkv", "swiglu")
 _ROWS, _PREFIX = 37, 45  # odd, not a multiple of any tile or page
+# the per-token kernels take their row count as an argument, which Triton compiles apart when it is
+# 1 or a multiple of 16: a run at each compiles every variant a request can meet before it does
+_OP_ROWS = (1, _ROWS, 48)
 
 
 @dataclass(frozen=True)
@@ -170,10 +174,23 @@ def _paged_case(device, dtype, head_dim, q_heads, kv_heads, model: ModelShapes, 
 
 
 def _op_cases(device, dtype, head_dim, q_heads, kv_heads, model: ModelShapes, gen):
-    """(name, run) pairs for the per-token kernels against TorchOps in the same dtype."""
+    """(name, run) pairs for the per-token kernels against TorchOps in the same dtype, each run at
+    every row count in _OP_ROWS (its outputs concatenated)."""
+    per_rows = [_op_runs(device, dtype, head_dim, q_heads, kv_heads, model, gen, rows) for rows in _OP_ROWS]
+
+    def across(name):
+        def run():
+            got, want = zip(*(runs[name]() for runs in per_rows))
+            return torch.cat([g.flatten() for g in got]), torch.cat([w.flatten() for w in want])
+        return run
+    return [(name, across(name)) for name in OP_KERNELS]
+
+
+def _op_runs(device, dtype, head_dim, q_heads, kv_heads, model: ModelShapes, gen, rows: int) -> dict:
+    """Per op, run() -> (the Triton kernel's output, TorchOps') over `rows` random rows."""
     from .ops import TorchOps, TritonOps
 
-    fast, torch_ops, rows = TritonOps(), TorchOps(), _ROWS
+    fast, torch_ops = TritonOps(), TorchOps()
     randn = lambda *shape: _randn(gen, *shape, device=device, dtype=dtype)  # noqa: E731
     w32 = (torch.rand(model.hidden, generator=gen) + 0.5).to(device)
     x, delta = randn(rows, model.hidden), randn(rows, model.hidden)
@@ -209,4 +226,4 @@ def _op_cases(device, dtype, head_dim, q_heads, kv_heads, model: ModelShapes, ge
         out = torch.empty(rows, model.intermediate, device=device, dtype=dtype)
         return fast.swiglu_into(out, gate_up.clone()), torch_ops.swiglu_into(torch.empty_like(out), gate_up.clone())
 
-    return [("rms_norm", rms_norm), ("add_rms_norm", add_rms_norm), ("rope_qkv", rope_qkv), ("swiglu", swiglu)]
+    return {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rope_qkv": rope_qkv, "swiglu": swiglu}
