@@ -77,15 +77,17 @@ class ForwardBatch:
     row_starts: list[int] = field(init=False)
     kv_starts: list[int] = field(init=False)
     first_positions: list[int] = field(init=False)
+    held_prefixes: list[int] = field(init=False)  # per sequence, the prefix rows its segment holds (P, or 0 in place)
 
     def __post_init__(self) -> None:
         if not self.sequences:
             raise ValueError("a ForwardBatch needs at least one sequence")
         in_place = self.in_place or [False] * len(self.sequences)
         self.first_positions = [s.prefix_tokens if here else 0 for s, here in zip(self.sequences, in_place)]
+        self.held_prefixes = [s.prefix_tokens - first for s, first in zip(self.sequences, self.first_positions)]
         self.row_starts, self.kv_starts = [], []
         rows = kv = 0
-        for s, first in zip(self.sequences, self.first_positions):
+        for s, held in zip(self.sequences, self.held_prefixes):
             if s.new_tokens < 1:
                 raise ValueError("every sequence needs at least one new token")
             if not 0 <= s.logprob_rows < s.prefix_tokens + s.new_tokens:
@@ -96,7 +98,7 @@ class ForwardBatch:
             self.row_starts.append(rows)
             self.kv_starts.append(kv)
             rows += s.new_tokens
-            kv += s.prefix_tokens - first + s.new_tokens
+            kv += held + s.new_tokens
 
     @property
     def new_tokens(self) -> int:
@@ -109,7 +111,7 @@ class ForwardBatch:
     @property
     def resident_prefix_tokens(self) -> int:
         """The prefix positions the workspace holds (those not read in place)."""
-        return self.prefix_tokens - sum(self.first_positions)
+        return sum(self.held_prefixes)
 
     def pieces(self, c0: int, c1: int) -> list[tuple[int, int, int]]:
         """The parts of packed rows [c0, c1) by sequence: (sequence index, first local row, end local row)."""
@@ -212,7 +214,7 @@ class HybridPrefillExecutor:
         pieces = self._rope_pieces(batch, chunks)
         # per sequence: its queries (packed rows) and its K/V segment ([Hkv, P + S, hd]; from P where in place)
         qs = [ws["q"][:, r : r + s.new_tokens] for r, s in zip(batch.row_starts, seqs)]
-        held = [s.prefix_tokens - first for s, first in zip(seqs, batch.first_positions)]  # prefix rows in the segment
+        held = batch.held_prefixes
         ks = [ws["k"][:, a : a + p + s.new_tokens] for a, p, s in zip(batch.kv_starts, held, seqs)]
         vs = [ws["v"][:, a : a + p + s.new_tokens] for a, p, s in zip(batch.kv_starts, held, seqs)]
         attention = self.kernels.attention_path.begin(batch, (ws["q"], ws["k"], ws["v"]), self.scale, inplace_attention)
