@@ -121,4 +121,3 @@ class KernelBackend:
     @property
     def rope_dtype(self) -> torch.dtype:
         return self.ops.rope_table_dtype(self.dtype)
-

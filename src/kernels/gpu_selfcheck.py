@@ -3,9 +3,10 @@
 The Triton kernels (gpu_attention.py, gpu_ops.py) are what a bf16/fp16 CUDA engine runs by
 default, and a kernel that compiles but computes wrong gives silently wrong probabilities. So
 before an engine serves, `run_self_check` runs every Triton kernel it would use at the model's
-shapes on a few random rows: attention whole, over a cached prefix and as one row (each with the
-model's sliding window and soft cap where it has them), and the per-token ops (RMSNorm, the
-residual add with RMSNorm, RoPE with the q/k norms, SwiGLU). Each is compared with the torch path
+shapes on a few random rows: attention whole, over a cached prefix, as one row and over a prefix
+read in place from a prefix pool's blocks (each with the model's soft cap), and with its sliding
+window where it has one; and the per-token ops (RMSNorm, the residual add with RMSNorm, RoPE with
+the q/k norms, SwiGLU). Each is compared with the torch path
 that replaces it (attention with the torch paths in float32 from the same inputs, the ops with
 TorchOps in the served dtype) under one stated bound:
 

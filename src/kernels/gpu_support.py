@@ -57,7 +57,6 @@ def attention_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -
     return dtype in KERNEL_DTYPES and head_dim in ATTENTION_HEAD_DIMS and runs_on(device)
 
 
-
 def device_scope(device: torch.device):
     """A context in which kernels launch on `device`: Triton launches on the thread's current CUDA
     device, not on its tensors', so an engine on cuda:1 must make that the current device around

@@ -177,7 +177,7 @@ class TritonOps(TorchOps):
 
     def needs_norm_scratch(self, qk_norm: bool) -> bool:
         # the q/k norms run inside rope_qkv; RMSNorm's own kernel needs no scratch either
-        return qk_norm and "rope_qkv" in self.on_torch or "rms_norm" in self.on_torch or "add_rms_norm" in self.on_torch
+        return (qk_norm and "rope_qkv" in self.on_torch) or bool({"rms_norm", "add_rms_norm"} & self.on_torch)
 
     def rope_table_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.float32
