@@ -47,6 +47,11 @@ INPUT_TENSORS = (
     Tensor("item_lengths", "INT64"), Tensor("item_template", "BYTES", (1,)), Tensor("cache_prefix_len", "INT64", (1,)),
     Tensor("top_k", "INT64", (1,)), Tensor("priority", "INT64", (1,)), Tensor("apply_chat_template", "BOOL", (1,)),
     Tensor("user", "BYTES", (1,)), Tensor("task", "BYTES", (1,)), Tensor("logprobs_start", "INT64", (1,)),
+    # pooled tasks (embed, classify): Matryoshka truncation, L2 normalisation (default: the checkpoint's),
+    # a named prompt of the checkpoint prepended, and cutting a prompt over the max input length
+    # ("right" keeps its start, "left" its end; none: refused as too long)
+    Tensor("dimensions", "INT64", (1,)), Tensor("normalize", "BOOL", (1,)), Tensor("prompt_name", "BYTES", (1,)),
+    Tensor("truncate", "BYTES", (1,)),
 )
 # What a request asks (the `task` input) of the built-in kinds: score the allowed tokens after each
 # prompt (the default); the log-likelihood of each continuation (the items) after one context (the
@@ -56,6 +61,10 @@ SCORE, LOGLIKELIHOOD, PROMPT_LOGPROBS = "score", "loglikelihood", "prompt_logpro
 # typed decisions: text_input is one decision call's JSON (contract/decisions.py DecisionCall),
 # result_json its DecisionResult
 DECIDE = "decide"
+# pooled outputs: each prompt's embedding (the final hidden states pooled as the checkpoint says), or a
+# sequence classifier's / reward model's label scores after each prompt (with items: after the shared
+# prompt + each item, the prompt computed once: best-of-N responses to one prompt)
+EMBED, CLASSIFY = "embed", "classify"
 # Outputs, one element per result (prompts, or items of a multi-item call) in order; the allowed
 # tokens' probabilities row-major (result i's k allowed tokens in the order asked). A loglikelihood
 # or prompt_logprobs answer has result_json (a ContinuationScore or PromptLogprobs each),
@@ -65,6 +74,9 @@ OUTPUT_TENSORS = (
     Tensor(RESULT_JSON, "BYTES"), Tensor("chosen_token", "BYTES"), Tensor("chosen_token_id", "INT64"),
     Tensor("chosen_prob", "FP32"), Tensor("allowed_probs", "FP32"), Tensor("allowed_logprobs", "FP32"),
     Tensor("prompt_tokens", "INT64"), Tensor("cached_tokens", "INT64"),
+    # embed: [results, dimensions]; classify: [results, labels] raw scores (logits) and their
+    # probabilities (softmax, sigmoid, or the raw score for a regression / reward head)
+    Tensor("embedding", "FP32", (-1, -1)), Tensor("class_logits", "FP32", (-1, -1)), Tensor("class_probs", "FP32", (-1, -1)),
 )
 INPUTS = {t.name: t.datatype for t in INPUT_TENSORS}
 OUTPUTS = {t.name: t.datatype for t in OUTPUT_TENSORS}
@@ -73,7 +85,8 @@ TRITON_TYPES = {"object": "BYTES", "int64": "INT64", "bool": "BOOL", "float32": 
 
 # -- requests -----------------------------------------------------------------------------------
 def request_fields(prompt, allowed, *, items=None, item_template=None, top_k=None, cache_prefix_len=None,
-                   priority=None, apply_chat_template=None, user=None, task=None, logprobs_start=None) -> dict:
+                   priority=None, apply_chat_template=None, user=None, task=None, logprobs_start=None,
+                   dimensions=None, normalize=None, prompt_name=None, truncate=None) -> dict:
     """One request's fields, named as the inputs: `prompt` a text, several texts or token ids;
     `allowed` strings and/or ids (none for the loglikelihood and prompt_logprobs tasks); `items`
     texts, or token-id lists (sent as item_ids + item_lengths). An option left None is not sent."""
@@ -95,15 +108,17 @@ def request_fields(prompt, allowed, *, items=None, item_template=None, top_k=Non
         fields["item_lengths"] = np.asarray([len(item) for item in items], dtype=np.int64)
     elif items is not None:
         fields["items"] = list(items)
-    for name, value in (("item_template", item_template), ("user", user), ("task", task)):
+    for name, value in (("item_template", item_template), ("user", user), ("task", task), ("prompt_name", prompt_name),
+                        ("truncate", truncate)):
         if value is not None:
             fields[name] = value
     for name, value in (("top_k", top_k), ("cache_prefix_len", cache_prefix_len), ("priority", priority),
-                        ("logprobs_start", logprobs_start)):
+                        ("logprobs_start", logprobs_start), ("dimensions", dimensions)):
         if value is not None:
             fields[name] = np.asarray([value], dtype=np.int64)
-    if apply_chat_template is not None:
-        fields["apply_chat_template"] = np.asarray([bool(apply_chat_template)])
+    for name, value in (("apply_chat_template", apply_chat_template), ("normalize", normalize)):
+        if value is not None:
+            fields[name] = np.asarray([bool(value)])
     return fields
 
 
@@ -277,9 +292,55 @@ class PromptLogprobs(_JsonResult):
                    cached_tokens=d.get("cached_tokens", 0), next_top_k=[TokenScore.from_dict(t) for t in d.get("next_top_k", ())])
 
 
+@dataclass(frozen=True)
+class EmbeddingResult(_JsonResult):
+    """One prompt's embedding (Engine.embed): its final hidden states (after the final norm) pooled
+    as the checkpoint says (last token, mean or first), truncated to `dimensions` and then
+    L2-normalised where asked; float32 values."""
+    embedding: list[float]
+    pooling: str = "last"  # last | mean | cls
+    normalized: bool = False
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose hidden states came from the prefix cache
+    truncated_tokens: int = 0  # tokens cut from the prompt by `truncate`
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EmbeddingResult":
+        return cls(embedding=list(d["embedding"]), pooling=d.get("pooling", "last"), normalized=d.get("normalized", False),
+                   prompt_tokens=d.get("prompt_tokens", 0), cached_tokens=d.get("cached_tokens", 0),
+                   truncated_tokens=d.get("truncated_tokens", 0))
+
+
+@dataclass(frozen=True)
+class ClassificationResult(_JsonResult):
+    """A sequence classifier's or reward model's answer after one prompt (Engine.classify): its score
+    head's raw outputs (`logits`, one per label, in label order), their `probs` by the checkpoint's
+    problem type (softmax: single-label; sigmoid: multi-label; the raw score: regression or a
+    one-label reward head, `activation` "none"), the label names (id2label) and the top label."""
+    logits: list[float]
+    probs: list[float]
+    labels: list[str]
+    label: str  # the label with the highest score
+    activation: str = "softmax"  # softmax | sigmoid | none
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    truncated_tokens: int = 0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ClassificationResult":
+        return cls(logits=list(d["logits"]), probs=list(d["probs"]), labels=list(d["labels"]), label=d["label"],
+                   activation=d.get("activation", "softmax"), prompt_tokens=d.get("prompt_tokens", 0),
+                   cached_tokens=d.get("cached_tokens", 0), truncated_tokens=d.get("truncated_tokens", 0))
+
+
 def decode_answer(document: dict):
     """One result_json document as its type: a ContinuationScore (it has `is_greedy`), a
-    PromptLogprobs (`token_logprobs` without `is_greedy`) or a ScoreResult."""
+    PromptLogprobs (`token_logprobs` without `is_greedy`), an EmbeddingResult (`embedding`), a
+    ClassificationResult (`logits`) or a ScoreResult."""
+    if "embedding" in document:
+        return EmbeddingResult.from_dict(document)
+    if "logits" in document:
+        return ClassificationResult.from_dict(document)
     if "is_greedy" in document:
         return ContinuationScore.from_dict(document)
     if "token_logprobs" in document:
