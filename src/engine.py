@@ -36,7 +36,9 @@ from .cache.prefix_cache import PrefixCache
 from .completions import CompletionThread
 from .config import EngineConfig
 from .model.default_model import ensure_default_model
-from .contract.errors import ConfigError, EngineClosedError
+from .contract.checkpoint import CLASSIFIER_HEAD, LM_HEAD, NO_HEAD
+from .contract.errors import ConfigError, EngineClosedError, InvalidRequestError
+from .contract.pooling_files import pooling_for
 from .worker.executor import HybridPrefillExecutor
 from .kernels import gpu_support
 from .kernels.backend import KernelBackend
@@ -47,7 +49,7 @@ from .model.spec import ModelSpec
 from .prompts import PromptEncoder
 from .request import Request, check_cache_prefix_len, check_deadline, check_namespace, check_priority
 from . import tasks
-from .contract.wire import ContinuationScore, PromptLogprobs, ScoreResult
+from .contract.wire import ClassificationResult, ContinuationScore, EmbeddingResult, PromptLogprobs, ScoreResult
 from .worker.runner import PrefillRunner
 from .scheduler import Answer, IndexPrefixView, JctEstimator, Scheduler, StepBudget, StepOutcome, StepPlan
 from .stats import EngineStats, StepRecord
@@ -131,9 +133,10 @@ class Engine:
                         self.max_input_len, self.spec.context_length)
         self.limits = _request_limits(self.config, self.max_input_len, tokenizer)
         self.encoder = PromptEncoder(tokenizer, self.spec.vocab_size, self.limits)
+        self.pooling = pooling_for(self.model_path, self.spec.head)  # how it embeds (None: a classifier)
         # a request the engine's own Triton model checked against self.limits is not checked again
         self._submit_contexts = {checked: tasks.SubmitContext(encoder, self.spec, self.max_input_len,
-                                                               self.config.max_decision_tokens)
+                                                               self.config.max_decision_tokens, self.pooling)
                                  for checked, encoder in ((False, self.encoder), (True, self.encoder.trusting()))}
 
     # -- public API -------------------------------------------------------------------
@@ -151,7 +154,9 @@ class Engine:
         DeadlineExceededError instead of starting. limits_checked: the caller already checked the
         request against this engine's `limits` (its Triton model does), so the sizes are not
         checked again. Bad input raises here, in the caller's thread; the Future never sees it."""
-        request = tasks.kind_named(kind).build(self._submit_contexts[limits_checked], prompt, **arguments)
+        kind_of = tasks.kind_named(kind)
+        check_head(kind_of, self.spec)
+        request = kind_of.build(self._submit_contexts[limits_checked], prompt, **arguments)
         # the keep boundary in whole blocks, converted once: everything below counts it in blocks
         request.kept_blocks = check_cache_prefix_len(cache_prefix_len, request.cache_tokens) // self.config.cache_block_size
         request.namespace = check_namespace(cache_namespace, user)
@@ -214,6 +219,42 @@ class Engine:
         messages = (Message("user", input),) if isinstance(input, str) else tuple(input)
         call = DecisionCall(messages, tuple(questions), permutations, return_token_ids)
         return self.submit_task("decisions", call, **options)
+
+    def submit_embed(self, prompt, *, dimensions: int | None = None, normalize: bool | None = None,
+                     prompt_name: str | None = None, truncate: str | None = None, **options) -> "Future[EmbeddingResult]":
+        """Queue one embedding (kind "embed"): the prompt's final hidden states pooled as the checkpoint
+        says (its sentence-transformers files: last token, mean or first; else the last token,
+        normalised). dimensions: Matryoshka truncation (1 .. hidden size); normalize: L2 (default: the
+        checkpoint's); prompt_name: one of the checkpoint's named prompts put before a text (default:
+        its default prompt, if it names one); truncate: "right" or "left" cuts a prompt over the max
+        input length from that side (default: refused). A cached prefix pools from the cache's hidden
+        states. options: cache_prefix_len, cache_namespace, user, priority, deadline_s."""
+        return self.submit_task("embed", prompt, dimensions=dimensions, normalize=normalize, prompt_name=prompt_name,
+                                truncate=truncate, **options)
+
+    def embed(self, inputs, **kwargs):
+        """An EmbeddingResult of one prompt (a text, bytes or token ids), or a list of them for a list of
+        prompts (texts or id lists; all queued at once); keyword arguments as submit_embed."""
+        if _many(inputs):
+            return [f.result() for f in [self.submit_embed(p, **kwargs) for p in inputs]]
+        return self.submit_embed(inputs, **kwargs).result()
+
+    def submit_classify(self, prompt, responses=None, *, truncate: str | None = None, **options):
+        """Queue a sequence classifier's (or reward model's) scores after `prompt` (kind "classify"): a
+        ClassificationResult. With `responses` (texts, tokenized without special tokens, or id lists):
+        one ClassificationResult per response, each of prompt + response, the prompt computed once
+        (kind "classify_items": best-of-N). truncate: as submit_embed (a prompt alone only)."""
+        if responses is not None:
+            if truncate is not None:
+                raise InvalidRequestError("truncate applies to a prompt alone, not to a prompt with responses")
+            return self.submit_task("classify_items", prompt, items=responses, **options)
+        return self.submit_task("classify", prompt, truncate=truncate, **options)
+
+    def classify(self, prompt, responses=None, **kwargs):
+        """submit_classify(...).result(); a list of prompts (without responses) gives a list of results."""
+        if responses is None and _many(prompt):
+            return [f.result() for f in [self.submit_classify(p, **kwargs) for p in prompt]]
+        return self.submit_classify(prompt, responses, **kwargs).result()
 
     def decide(self, input, questions, **kwargs) -> "DecisionResult":
         """submit_decide(...).result()."""
@@ -396,6 +437,25 @@ class Engine:
                 log.warning("cache_budget_bytes %d is smaller than one block (%d bytes): prefix cache off", budget_bytes, cache.block_bytes)
             return None
         return cache
+
+
+def _many(inputs) -> bool:
+    """A list of prompts (texts, bytes or id lists), not one prompt of token ids."""
+    return isinstance(inputs, (list, tuple)) and bool(inputs) and not isinstance(inputs[0], int)
+
+
+_HEAD_NAMES = {LM_HEAD: "a causal LM", NO_HEAD: "an embedding model (no LM head)", CLASSIFIER_HEAD: "a sequence classifier"}
+_HEAD_ASKS = {LM_HEAD: "the token-scoring tasks (score, loglikelihood, prompt_logprobs, decide) and embed",
+              NO_HEAD: "embed", CLASSIFIER_HEAD: "classify"}
+
+
+def check_head(kind, spec: ModelSpec) -> None:
+    """InvalidRequestError where the served checkpoint cannot answer `kind` (an embedding asked of a
+    classifier, token scores of an embedding model, ...), naming what it is and what it answers."""
+    if spec.head not in kind.heads:
+        raise InvalidRequestError(
+            f"task {kind.wire_task!r} needs {' or '.join(_HEAD_NAMES[h] for h in kind.heads)}; the served checkpoint is "
+            f"{_HEAD_NAMES[spec.head]} ({spec.architecture}): it answers {_HEAD_ASKS[spec.head]}")
 
 
 def _request_limits(config: EngineConfig, max_input_len: int, tokenizer) -> RequestLimits:

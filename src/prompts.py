@@ -63,6 +63,10 @@ class PromptEncoder:
             raise InvalidRequestError(f"{what} is empty (0 tokens)")
         return ids
 
+    def special_ids(self) -> set[int]:
+        """The tokenizer's special tokens' ids (BOS, EOS, ...): what a truncation keeps."""
+        return set(self.tokenizer.all_special_ids) if self.tokenizer is not None else set()
+
     def resolve_allowed(self, allowed) -> list[int]:
         if allowed is None or isinstance(allowed, (str, bytes)) or not isinstance(allowed, Sequence) and not hasattr(allowed, "tolist"):
             raise InvalidRequestError("allowed_tokens must be a list of token strings or token ids")

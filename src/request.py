@@ -49,6 +49,9 @@ class Request:
     # a tree: per item, continuations scored over it (each one's first token read from the item's
     # last row, the rest from a span over its own rows; decisions' options over their question)
     item_continuations: list[list[list[int]]] | None = None
+    # pooled output (embeddings, classifier scores): the prompt's (or each item's) final hidden
+    # states pooled as the executor's Sequence.pool says: "last", "mean", "cls" or "score"
+    pool: str | None = None
     task_state: Any = None  # what the kind keeps from build for its answer (decisions: the call, its rendering)
     namespace: str | None = None  # cache hits never cross namespaces
     priority: int = 0  # higher runs first

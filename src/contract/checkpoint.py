@@ -12,17 +12,23 @@ from .errors import ConfigError, UnsupportedModelError
 
 # architecture name -> family. All share the Llama layout (Phi-3 stores q/k/v and gate/up already
 # fused, as the executor wants them); the flags below (biases, q/k norm, Gemma's norms, scales,
-# activation, windows and soft-capping) are what differs.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3",
-    "Phi3ForCausalLM": "phi3",
-}
+# activation, windows and soft-capping) are what differs. Each family's causal LM, its bare model
+# (an embedding model saved without the LM head, as Qwen3-Embedding is) and its sequence classifier
+# (a `score` head: classifiers and reward models).
+_FAMILY_CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma2": "Gemma2",
+                   "gemma3": "Gemma3Text", "phi3": "Phi3"}
+# the model's head, by what the architecture's name ends with: an LM head (scores tokens), none
+# (embeddings), a sequence classification head
+LM_HEAD, NO_HEAD, CLASSIFIER_HEAD = "lm", "embedding", "classifier"
+_HEAD_SUFFIXES = {"ForCausalLM": LM_HEAD, "Model": NO_HEAD, "ForSequenceClassification": CLASSIFIER_HEAD}
+SUPPORTED_ARCHITECTURES = {("Gemma3" if fam == "gemma3" and suffix == "ForCausalLM" else cls) + suffix: fam
+                           for suffix in _HEAD_SUFFIXES for fam, cls in _FAMILY_CLASSES.items()}
 GEMMA = ("gemma2", "gemma3")
+
+
+def head_of(architecture: str) -> str:
+    """LM_HEAD, NO_HEAD or CLASSIFIER_HEAD: what a supported architecture's checkpoint ends in."""
+    return next(head for suffix, head in _HEAD_SUFFIXES.items() if architecture.endswith(suffix))
 
 
 def read_config(folder: str) -> tuple[dict, str]:

@@ -17,6 +17,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from .checkpoint import CLASSIFIER_HEAD
 from .errors import ConfigError
 
 POOLING_MODES = ("last", "mean", "cls")
@@ -94,3 +95,16 @@ def _read_json(path: str):
             return json.load(f)
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot read {path}: {e}") from e
+
+
+# a checkpoint with no sentence-transformers files embeds as vLLM embeds a decoder: its last
+# token's final hidden state, L2-normalised
+DEFAULT_POOLING = PoolingFiles("last", True)
+
+
+def pooling_for(folder: str, head: str) -> PoolingFiles | None:
+    """How the checkpoint in `folder` embeds: its sentence-transformers files, else DEFAULT_POOLING;
+    None for a sequence classifier (it answers classify, not embed). `head`: checkpoint.head_of."""
+    if head == CLASSIFIER_HEAD:
+        return None
+    return read_pooling_files(folder) or DEFAULT_POOLING

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..contract.checkpoint import GEMMA, SUPPORTED_ARCHITECTURES, read_config
+from ..contract.checkpoint import CLASSIFIER_HEAD, GEMMA, SUPPORTED_ARCHITECTURES, head_of, read_config
 from ..contract.errors import ConfigError, UnsupportedModelError
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -52,6 +52,13 @@ class ModelSpec:
     activation: str = "silu"  # gated MLP activation: silu (SwiGLU) or gelu_tanh (GeGLU, Gemma)
     attention_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) before the log-softmax (Gemma 2)
+    # what the checkpoint ends in (contract.checkpoint): "lm" (scores tokens), "embedding" (a bare
+    # model: pooled hidden states) or "classifier" (a `score` head over the last token's hidden state)
+    head: str = "lm"
+    labels: tuple[str, ...] = ()  # a classifier's label names, by id (id2label)
+    # a classifier's scores -> probabilities: softmax (single-label), sigmoid (multi-label) or none
+    # (regression, and a one-label head without a problem type: a reward model's raw score)
+    label_activation: str = "softmax"
 
     def layer_window(self, layer: int) -> int:
         """The sliding window of `layer`'s attention, 0 for full attention."""
@@ -168,6 +175,8 @@ class ModelSpec:
             activation=activation,
             attention_softcap=_cap(getattr(config, "attn_logit_softcapping", None)) if gemma else None,
             final_softcap=_cap(getattr(config, "final_logit_softcapping", None)) if gemma else None,
+            head=head_of(arch),
+            **(_classifier_head(config) if head_of(arch) == CLASSIFIER_HEAD else {}),
         )
 
     @classmethod
@@ -225,6 +234,20 @@ def _attention_layout(config, family: str, rope: dict, head_dim: int) -> tuple:
         if "sliding_attention" in layer_types and not window:
             raise UnsupportedModelError("sliding_attention layers without a sliding_window")
     return window, layer_types, rotary_dim, switch
+
+
+def _classifier_head(config) -> dict:
+    """A sequence classifier's labels (id2label in id order) and how its scores become probabilities,
+    as transformers' loss reads problem_type (None: regression for one label, else single-label)."""
+    n = int(config.num_labels)
+    names = getattr(config, "id2label", None) or {}
+    labels = tuple(str(names.get(i, names.get(str(i), f"LABEL_{i}"))) for i in range(n))
+    problem = getattr(config, "problem_type", None) or ("regression" if n == 1 else "single_label_classification")
+    activation = {"regression": "none", "single_label_classification": "softmax", "multi_label_classification": "sigmoid"}.get(problem)
+    if activation is None:
+        raise UnsupportedModelError(f"unsupported problem_type {problem!r}; supported: regression, single_label_classification, "
+                                    "multi_label_classification")
+    return {"labels": labels, "label_activation": activation}
 
 
 def _cap(value) -> float | None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..contract.checkpoint import CLASSIFIER_HEAD
 from ..contract.errors import ConfigError
 from ..kernels.linear import pack, weight_nbytes
 from .spec import ModelSpec
@@ -57,12 +58,15 @@ class ModelWeights:
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [d]
     # [vocab, d]; the same tensor as embed when tied, until pack_linears gives it the linear backend's
-    # layout (then its own copy when tied: the embedding lookup reads the plain rows)
+    # layout (then its own copy when tied: the embedding lookup reads the plain rows). A checkpoint
+    # without an LM head (an embedding model, a classifier) has the embedding here: the forward's
+    # last-row logits are then never asked for (the engine refuses token-scoring kinds there)
     lm_head: torch.Tensor
+    score: torch.Tensor | None = None  # [labels, d] float32: a sequence classifier's head (spec.head "classifier")
 
     def nbytes(self) -> int:
         """Bytes of every weight tensor (packed ones as packed), a tied head counted once."""
-        tensors = [self.embed, self.final_norm, self.lm_head]
+        tensors = [self.embed, self.final_norm, self.lm_head] + ([self.score] if self.score is not None else [])
         tensors += [t for layer in self.layers for t in vars(layer).values() if t is not None]
         key = lambda t: t.untyped_storage().data_ptr() if t.layout == torch.strided else id(t)  # noqa: E731
         return sum(weight_nbytes(t) for t in {key(t): t for t in tensors}.values())
@@ -127,7 +131,8 @@ class ModelWeights:
         lm_head = embed if spec.tie_word_embeddings else get("lm_head.weight", required=False)
         if lm_head is None:  # some tied checkpoints omit the flag but also the tensor
             lm_head = embed
-        weights = cls(embed=embed, layers=layers, final_norm=norm("model.norm.weight"), lm_head=lm_head)
+        score = get("score.weight", as_dtype=NORM_DTYPE) if spec.head == CLASSIFIER_HEAD else None
+        weights = cls(embed=embed, layers=layers, final_norm=norm("model.norm.weight"), lm_head=lm_head, score=score)
         weights.check_shapes(spec)
         return weights
 
@@ -164,13 +169,15 @@ class ModelWeights:
         ]
         embed = rnd(spec.vocab_size, d)
         lm_head = embed if spec.tie_word_embeddings else rnd(spec.vocab_size, d)
-        return cls(embed=embed, layers=layers, final_norm=ones(d), lm_head=lm_head)
+        score = rnd(len(spec.labels), d).float() if spec.head == CLASSIFIER_HEAD else None
+        return cls(embed=embed, layers=layers, final_norm=ones(d), lm_head=lm_head, score=score)
 
     def check_shapes(self, spec: ModelSpec) -> None:
         d, f = spec.hidden_size, spec.intermediate_size
         expect = {
             "embed": (self.embed, (spec.vocab_size, d)),
             "lm_head": (self.lm_head, (spec.vocab_size, d)),
+            **({"score": (self.score, (len(spec.labels), d))} if self.score is not None else {}),
             "layers.0.wqkv": (self.layers[0].wqkv, (spec.qkv_width, d)),
             "layers.0.wo": (self.layers[0].wo, (d, spec.q_width)),
             "layers.0.w_gate_up": (self.layers[0].w_gate_up, (2 * f, d)),
@@ -206,6 +213,9 @@ class _SafetensorsFolder:
 
     def get(self, name: str, required: bool = True):
         h = self._where.get(name)
+        if h is None and name.startswith("model.") and name[6:] in self._where:
+            name = name[6:]  # a bare model saved on its own (an embedding model): no "model." prefix
+            h = self._where[name]
         if h is None:
             if required:
                 raise ConfigError(f"checkpoint is missing tensor {name!r}")

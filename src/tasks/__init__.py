@@ -5,8 +5,8 @@
     request.kind.result(...)               # the runner: the forward's rows -> the answer
     kind.to_outputs(results)               # the protocol: answers -> output tensors
 
-A kind is one module (score.py, items.py, loglikelihood.py, prompt_logprobs.py, decide.py; base.py says what
-each provides); adding one is a module plus `register(...)`, nothing else.
+A kind is one module (score.py, items.py, loglikelihood.py, prompt_logprobs.py, decide.py, pooled.py: embed,
+classify and classify_items; base.py says what each provides); adding one is a module plus `register(...)`, nothing else.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from .base import RequestKind, RowOutput, SubmitContext
 from .decide import DecisionsKind
 from .items import ItemsKind
 from .loglikelihood import LoglikelihoodKind
+from .pooled import ClassifyItemsKind, ClassifyKind, EmbedKind
 from .prompt_logprobs import PromptLogprobsKind
 from .score import ScoreKind
 
@@ -65,7 +66,8 @@ def kind_for(task: str, has_items: bool) -> RequestKind:
     raise InvalidRequestError(f"task {task!r} needs {kinds[0].items_phrase} as items (texts) or item_ids with item_lengths")
 
 
-for _kind in (ScoreKind(), ItemsKind(), LoglikelihoodKind(), PromptLogprobsKind(), DecisionsKind()):
+for _kind in (ScoreKind(), ItemsKind(), LoglikelihoodKind(), PromptLogprobsKind(), DecisionsKind(), EmbedKind(), ClassifyKind(),
+              ClassifyItemsKind()):
     register(_kind)
 
 __all__ = ["RequestKind", "RowOutput", "SubmitContext", "register", "unregister", "kind_named", "kind_for", "wire_tasks"]

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from ..contract.checkpoint import LM_HEAD
 from ..contract.errors import InvalidRequestError
 from ..contract.limits import DEFAULT_MAX_DECISION_TOKENS
 from ..contract.wire import RESULT_JSON
@@ -35,18 +36,21 @@ class SubmitContext:
     spec: Any  # model.spec.ModelSpec
     max_input_len: int
     max_decision_tokens: int = DEFAULT_MAX_DECISION_TOKENS  # question + option tokens of one decision call
+    pooling: Any = None  # contract.pooling_files.PoolingFiles: how the checkpoint embeds (None: it does not)
 
 
 @dataclass(frozen=True)
 class RowOutput:
     """One result's rows of a forward: the last row's float32 logits, the logprob span (when the
     request asked for one; for an item with continuations, a list: each continuation's span, None
-    for a one-token one), the prompt tokens read from the cache and the step's measured peak."""
+    for a one-token one), the prompt tokens read from the cache, the step's measured peak, and the
+    pooled vector (Request.pool: float32 [hidden] or a classifier's [labels])."""
 
     logits: Any
     span: Any
     cached_tokens: int
     peak_bytes: int
+    pooled: Any = None
 
 
 class RequestKind:
@@ -59,6 +63,9 @@ class RequestKind:
     per_prompt: ClassVar[bool] = True  # one engine request per prompt of a call (False: one in all)
     options: ClassVar[tuple[str, ...]] = ()  # wire options besides user (protocol.OPTION_INPUTS)
     items_phrase: ClassVar[str] = "items"  # what its items are, in error messages
+    # the checkpoint heads (contract.checkpoint: lm, embedding, classifier) whose model answers it;
+    # the engine refuses the kind on any other, naming why
+    heads: ClassVar[tuple[str, ...]] = (LM_HEAD,)
 
     def build(self, ctx: SubmitContext, prompt, **arguments) -> Request:
         """Check and tokenize the kind's own arguments into a Request (InvalidRequestError naming

@@ -51,6 +51,10 @@ class Sequence:
     logprob_rows: int = 0
     logprob_top_k: int = 0
     logprob_targets: torch.Tensor | None = None
+    # also the final hidden states (after the final norm) pooled over the sequence, cached positions
+    # included (their hidden states come from the prefix): "last" token, "mean" of every position,
+    # "cls" (the first), or "score": the classifier head (weights.score) on the last token's
+    pool: str | None = None
 
     @property
     def regime_length(self) -> int:
@@ -156,6 +160,7 @@ class BatchOutput:
     logits: torch.Tensor  # [B, vocab] float32: row i after sequence i's last position
     captured: list[PrefixKV | None]  # per sequence, the K/V of its capture range
     spans: list[SpanLogprobs | None] = field(default_factory=list)  # per sequence, its logprob span (None: none asked)
+    pooled: list[torch.Tensor | None] = field(default_factory=list)  # per sequence, [hidden] or [labels] float32 (Sequence.pool)
 
 
 class HybridPrefillExecutor:
@@ -252,7 +257,23 @@ class HybridPrefillExecutor:
             if sink is not None and span is not None:  # kept with the blocks: a later span there skips the LM head
                 # row j predicts token first + 1 + j, and is kept with that token (cache/kv_pool.py)
                 sink.store_span(span.values(), s.prefix_tokens + s.new_tokens - s.logprob_rows)
-        return BatchOutput(logits=logits, captured=[c.captured if c else None for c in captures], spans=spans)
+        pooled = [self._pooled(ws, r, s) if s.pool else None for r, s in zip(batch.row_starts, seqs)]
+        return BatchOutput(logits=logits, captured=[c.captured if c else None for c in captures], spans=spans, pooled=pooled)
+
+    def _pooled(self, ws, row_start: int, seq: Sequence) -> torch.Tensor:
+        """The sequence's final hidden states, final-normed, pooled as seq.pool asks ([hidden]
+        float32), or (pool "score") the classifier head's scores on its last token ([labels] float32,
+        the head in float32: a bf16 model's scores are not rounded to bf16). Mean pooling reads the
+        cached prefix's hidden states and norms one chunk of rows at a time (the norm's scratch)."""
+        p, n = seq.prefix_tokens, seq.new_tokens
+        if seq.pool == "mean":
+            step, total = max(1, ws["normed"].shape[0]), torch.zeros(self.spec.hidden_size, dtype=torch.float64, device=self.device)
+            for a in range(0, p + n, step):
+                total += self._final_norm(ws, self._position_rows(ws, row_start, seq, a, min(p + n, a + step))).double().sum(0)
+            return (total / (p + n)).float()
+        first = self._position_rows(ws, row_start, seq, 0, 1) if seq.pool == "cls" else ws["hidden"][row_start + n - 1 : row_start + n]
+        vector = self._final_norm(ws, first)[0].float()
+        return self.weights.score @ vector if seq.pool == "score" else vector
 
     def _rope_pieces(self, batch: ForwardBatch, chunks: list[tuple[int, int]]) -> dict:
         """Per RoPE table kind, each chunk's pieces with their rows' cos/sin tables: built once per
@@ -277,12 +298,17 @@ class HybridPrefillExecutor:
         """[r, vocab] float32 logits of residual-stream rows (at most a chunk of them): final norm,
         LM head, Gemma 2's soft cap (before the log-softmax, so it changes the scores)."""
         spec = self.spec
-        normed = torch.empty_like(rows)
-        self.ops.rms_norm_into(normed, rows, self.weights.final_norm, spec.rms_norm_eps, ws["scratch32"][: rows.shape[0], : spec.hidden_size])
-        logits = self.kernels.score_logits(normed, self.weights.lm_head)  # float32, never rounded to bf16 first
+        logits = self.kernels.score_logits(self._final_norm(ws, rows), self.weights.lm_head)  # float32, never rounded to bf16 first
         if spec.final_softcap is not None:
             logits = torch.tanh(logits.div_(spec.final_softcap)).mul_(spec.final_softcap)
         return logits
+
+    def _final_norm(self, ws, rows: torch.Tensor) -> torch.Tensor:
+        """The final norm of residual-stream rows (at most a chunk of them), in the model dtype."""
+        normed = torch.empty_like(rows)
+        self.ops.rms_norm_into(normed, rows, self.weights.final_norm, self.spec.rms_norm_eps,
+                               ws["scratch32"][: rows.shape[0], : self.spec.hidden_size])
+        return normed
 
     def _span_logprobs(self, ws, row_start: int, seq: Sequence) -> SpanLogprobs:
         """The sequence's logprob span: cached positions whose values the prefix kept (top k <= 1)

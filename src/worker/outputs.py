@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..contract.wire import ContinuationScore, PromptLogprobs, ScoreResult, TokenScore
+from ..contract.wire import ClassificationResult, ContinuationScore, EmbeddingResult, PromptLogprobs, ScoreResult, TokenScore
 
 
 def score_logits(logits: torch.Tensor, allowed_ids: list[int], top_k: int, token_text) -> tuple[list[TokenScore], TokenScore, list[TokenScore]]:
@@ -69,3 +69,30 @@ def _top_scores(values: torch.Tensor, ids: torch.Tensor, token_text) -> list:
 
     lps, probs, tokens = values.tolist(), values.exp().tolist(), ids.tolist()
     return row(lps, probs, tokens) if values.dim() == 1 else [row(*r) for r in zip(lps, probs, tokens)]
+
+
+def embedding_result(pooled: torch.Tensor, dimensions: int | None, normalize: bool, pooling: str, prompt_tokens: int,
+                     cached_tokens: int, truncated_tokens: int) -> EmbeddingResult:
+    """A pooled [hidden] float32 vector as an embedding: Matryoshka-truncated to `dimensions` first,
+    then L2-normalised where asked (so a truncated embedding is unit length too, as OpenAI's and
+    vLLM's `dimensions` give it)."""
+    vector = pooled[:dimensions] if dimensions else pooled
+    if normalize:
+        vector = torch.nn.functional.normalize(vector.double(), dim=0).float()
+    return EmbeddingResult(embedding=vector.tolist(), pooling=pooling, normalized=normalize, prompt_tokens=prompt_tokens,
+                           cached_tokens=cached_tokens, truncated_tokens=truncated_tokens)
+
+
+def classification_result(scores: torch.Tensor, labels: tuple[str, ...], activation: str, prompt_tokens: int,
+                          cached_tokens: int, truncated_tokens: int = 0) -> ClassificationResult:
+    """A classifier head's raw scores ([labels] float32) with their probabilities by the checkpoint's
+    problem type (softmax, sigmoid, or none: the raw score) and the top label."""
+    if activation == "softmax":
+        probs = torch.softmax(scores.double(), 0).float()
+    elif activation == "sigmoid":
+        probs = torch.sigmoid(scores.double()).float()
+    else:
+        probs = scores
+    return ClassificationResult(logits=scores.tolist(), probs=probs.tolist(), labels=list(labels),
+                                label=labels[int(torch.argmax(scores))], activation=activation, prompt_tokens=prompt_tokens,
+                                cached_tokens=cached_tokens, truncated_tokens=truncated_tokens)

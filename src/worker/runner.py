@@ -54,13 +54,14 @@ class PrefillRunner:
 
     def _run_batch(self, requests: list[Request], access: list[PrefixAccess], shape: list[TokenSplit],
                    inplace: bool) -> StepOutcome:
-        batch = ForwardBatch([_uncached_sequence(r.token_ids, a, logprobs=(r.logprob_rows, r.logprob_top_k)) for r, a in zip(requests, access)])
+        batch = ForwardBatch([_uncached_sequence(r.token_ids, a, logprobs=(r.logprob_rows, r.logprob_top_k), pool=r.pool)
+                              for r, a in zip(requests, access)])
         t0 = time.perf_counter()
         self.meter.start()
         out = self.executor.forward_batch(batch, self.chunk_size, inplace)
         peak = self.meter.peak_growth()
         forward_s = time.perf_counter() - t0
-        results = [r.kind.result(r, RowOutput(out.logits[i], out.spans[i], split.cached, peak), self.token_text)
+        results = [r.kind.result(r, RowOutput(out.logits[i], out.spans[i], split.cached, peak, out.pooled[i]), self.token_text)
                    for i, (r, split) in enumerate(zip(requests, shape))]
         return StepOutcome(results, forward_s=forward_s)
 
@@ -82,7 +83,7 @@ class PrefillRunner:
             self.meter.start()
             out = self.executor.forward_batch(
                 ForwardBatch([Sequence(torch.tensor(items[j], dtype=torch.long), prefix=shared_kv, rope_length=regime,
-                                       logprob_rows=len(items[j]) - 1 if spans else 0,
+                                       logprob_rows=len(items[j]) - 1 if spans else 0, pool=request.pool,
                                        capture=(len(shared), len(shared) + len(items[j])) if continuations and continuations[j] else None)
                               for j in group]),
                 self.chunk_size, items_plan.items_inplace)
@@ -90,7 +91,8 @@ class PrefillRunner:
             tree = self._run_continuations(request, shared_kv, dict(zip(group, out.captured)), items_plan.continuations[g_index],
                                            regime, items_plan.items_inplace) if continuations else {}
             results += [request.kind.item_result(request, j, context,
-                                                 RowOutput(out.logits[g], tree.get(j, out.spans[g]), p, peak), self.token_text)
+                                                 RowOutput(out.logits[g], tree.get(j, out.spans[g]), p, peak, out.pooled[g]),
+                                                 self.token_text)
                         for g, j in enumerate(group)]
         # items and their continuations: every computed token but the shared prompt's
         return StepOutcome([request.kind.items_done(request, results, p)], item_tokens=request.prompt_tokens - request.cache_tokens)
@@ -113,7 +115,7 @@ class PrefillRunner:
 
 
 def _uncached_sequence(ids: list[int], access: PrefixAccess, capture: tuple[int, int] | None = None,
-                       rope_length: int | None = None, logprobs: tuple[int, int] = (0, 0)) -> Sequence:
+                       rope_length: int | None = None, logprobs: tuple[int, int] = (0, 0), pool: str | None = None) -> Sequence:
     """The tokens the cache did not hold, fed the cached prefix and keeping the ticket's blocks;
     logprobs: (positions, top k) of a logprob span over the prompt's last positions but one
     (cached ones read their hidden states from the cache)."""
@@ -121,4 +123,4 @@ def _uncached_sequence(ids: list[int], access: PrefixAccess, capture: tuple[int,
     return Sequence(torch.tensor(ids[access.cached_tokens:], dtype=torch.long), prefix=access.source,
                     sink=access.sink, capture=capture, rope_length=rope_length,
                     logprob_rows=rows, logprob_top_k=logprobs[1],
-                    logprob_targets=torch.tensor(ids[len(ids) - rows :], dtype=torch.long) if rows else None)
+                    logprob_targets=torch.tensor(ids[len(ids) - rows :], dtype=torch.long) if rows else None, pool=pool)
