@@ -19,7 +19,7 @@ LAYERS = ("engine", "kernels", "cache_scheduler", "serving", "frontend", "fleet"
 FAST = {"test_request", "test_scheduler", "test_dependency_groups", "test_simulator", "test_config", "test_limits",
         "test_protocol", "test_inflight", "test_import_graph", "test_docs_match_tree", "test_envoy_hashing", "test_workloads",
         "test_host_table", "test_model_spec", "test_perf_cli", "test_frontend_presets", "test_batching", "test_prefix_cache",
-        "test_linear", "test_dtype_auto", "test_wire", "test_kernel_backend", "test_code_shape"}
+        "test_linear", "test_dtype_auto", "test_wire", "test_kernel_backend", "test_code_shape", "test_pooling_files"}
 # The files that take longest (about 40 s to 2 minutes each on 2 cores, slowest first): started
 # first, so that parallel workers (scripts/test.sh) end on short files instead of one worker
 # finishing a long file alone. Then the other server and model files, then the fast tier.
@@ -92,13 +92,14 @@ def make_hf_model(name: str, seed: int = 0):
     return make_random_model(*FAMILY_CONFIGS[name], seed=seed)
 
 
-def make_random_model(cls_name: str, kwargs: dict, seed: int = 0):
-    """A transformers model of config class `cls_name`(**kwargs), every parameter randomised."""
+def make_random_model(cls_name: str, kwargs: dict, seed: int = 0, auto: str = "AutoModelForCausalLM", **from_config):
+    """A transformers model of config class `cls_name`(**kwargs), every parameter randomised; `auto`:
+    the Auto class that builds it (AutoModel: the bare model; AutoModelForSequenceClassification)."""
     import transformers
 
     config = getattr(transformers, cls_name)(**kwargs)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = getattr(transformers, auto).from_config(config, dtype=torch.float32, **from_config)
     model.config.architectures = [type(model).__name__]  # e.g. Gemma3TextConfig -> Gemma3ForCausalLM
     with torch.no_grad():
         for pname, p in model.named_parameters():
