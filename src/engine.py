@@ -103,10 +103,10 @@ class Engine:
         self._worker = threading.Thread(target=self._serve, name="prefillonly-engine", daemon=True)
         self._worker.start()
         log.info(
-            "engine ready: %s (%s, %d layers) %s on %s, chunk %s, attention %s, linear %s, score head %s, max input %d, "
+            "engine ready: %s (%s, %d layers, answers %s) %s on %s, chunk %s, attention %s, linear %s, score head %s, max input %d, "
             "prefix cache %.1f MiB in blocks of %d (+%.1f MiB second tier), activation budget %.1f MiB, "
             "scheduling %s, up to %d tokens per step, %.1f s",
-            self.model_path, self.spec.architecture, self.spec.num_layers, config.dtype, self.device,
+            self.model_path, self.spec.architecture, self.spec.num_layers, _HEAD_ASKS[self.spec.head], config.dtype, self.device,
             config.chunk_size or "none", self.executor.kernels.attention, self.executor.kernels.linear,
             self.executor.kernels.score_head, self.max_input_len,
             cache_bytes / 2**20, config.cache_block_size, config.cache_second_tier_bytes / 2**20,
