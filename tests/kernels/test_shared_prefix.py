@@ -62,7 +62,8 @@ def _reference(batch, buffers, shared, own_parts, scale, window=0, softcap=0.0):
 CASES = {  # shared length, new tokens per sequence, own prefix part per sequence
     "items": (257, [1, 7, 33, 2, 64], [0, 0, 0, 0, 0]),
     "continuations": (1000, [1, 3, 2, 5, 1, 9], [5, 40, 40, 17, 1, 3]),
-    "one-token shared, long items": (1, [300, 5, 129], [0, 11, 0]),
+    # long items among short ones (the pass takes a batch of at most SHARED_PASS_MAX_MEAN_ROWS a sequence)
+    "one-token shared, long items": (1, [300, 5, 129, 1, 2, 1, 1, 1], [0, 11, 0, 0, 0, 0, 0, 0]),
 }
 
 
@@ -120,6 +121,8 @@ def test_batches_the_pass_does_not_take():
         "one without a prefix": [seq(shared), seq(None)],
         "a sink sees whole segments": [seq(shared), seq(shared, sink=CaptureSink(0, 12))],
         "a capture of shared positions": [seq(shared), seq(shared, capture=(4, 12))],
+        # long sequences: the per-sequence pass on the compiled kernel is faster
+        "long sequences on average": [seq(shared), Sequence(torch.zeros(2 * shared_prefix.SHARED_PASS_MAX_MEAN_ROWS, dtype=torch.long), prefix=shared)],
     }
     for why, seqs in refused.items():
         assert shared_prefix_of(ForwardBatch(seqs), CPU) is None, why
