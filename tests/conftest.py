@@ -19,13 +19,13 @@ LAYERS = ("engine", "kernels", "cache_scheduler", "serving", "frontend", "fleet"
 FAST = {"test_request", "test_scheduler", "test_dependency_groups", "test_simulator", "test_config", "test_limits",
         "test_protocol", "test_inflight", "test_import_graph", "test_docs_match_tree", "test_envoy_hashing", "test_workloads",
         "test_host_table", "test_model_spec", "test_perf_cli", "test_frontend_presets", "test_batching", "test_prefix_cache",
-        "test_linear", "test_dtype_auto", "test_wire", "test_kernel_backend", "test_code_shape", "test_pooling_files"}
+        "test_linear", "test_dtype_auto", "test_wire", "test_kernel_backend", "test_code_shape", "test_pooling_files", "test_bench_pooling"}
 # The files that take longest (about 40 s to 2 minutes each on 2 cores, slowest first): started
 # first, so that parallel workers (scripts/test.sh) end on short files instead of one worker
 # finishing a long file alone. Then the other server and model files, then the fast tier.
 SLOWEST_FIRST = ("test_memory", "test_gpu_kernels", "test_fleet", "test_faults", "test_triton_server", "test_eval_harness",
-                 "test_triton_lifecycle", "test_frontend", "test_decisions", "test_score_precision", "test_picker_fleet",
-                 "test_batching", "test_perf_inputs")
+                 "test_triton_lifecycle", "test_frontend", "test_pooling_routes", "test_decisions", "test_score_precision",
+                 "test_picker_fleet", "test_batching", "test_perf_inputs")
 
 
 def pytest_configure(config):

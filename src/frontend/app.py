@@ -6,8 +6,9 @@ The engine model's config.pbtxt says which checkpoint is served (its `model` par
 the embedded default) and the request limits; the frontend reads them (ServedSettings, by
 EngineConfig's rules for string settings but without building one, which would load torch),
 loads that checkpoint's tokenizer (its tokenizer.json by the `tokenizers` library, giving
-transformers' ids without loading torch: contract/tokenizer_file.py) and `scoring_presets.json`
-beside config.pbtxt. A preset whose labels are not single tokens stops the start with a
+transformers' ids without loading torch: contract/tokenizer_file.py), what its config.json and
+sentence-transformers files say of its head, hidden size and named prompts (pooling.PooledModel)
+and `scoring_presets.json` beside config.pbtxt. A preset whose labels are not single tokens stops the start with a
 ConfigError naming it, as does a tokenizer whose ids the file alone cannot promise.
 """
 
@@ -27,6 +28,7 @@ from ..serving.host.model_settings import engine_settings
 from ..contract.setting_strings import is_unset, optional_int
 from ..contract.tokenizer_file import NotAsWritten, load_tokenizer
 from ..contract.wire import MODEL
+from .pooling import PooledModel
 from .presets import PRESETS_FILE, TemplateTokenizer, load_presets
 from .scoring import DEFAULT_MAX_PROMPTS_PER_CALL, Limits, Scoring
 from .upstream import TritonUpstream
@@ -84,7 +86,8 @@ def build_scoring(model_repository: str | Path, triton_grpc: str, model_name: st
         log.warning("--max-prompts-per-call %d is over the engine's max_waiting %d: capped at it", max_prompts_per_call,
                     settings.max_waiting)
     limits = Limits(max_documents=settings.max_items, max_prompts=min(max_prompts_per_call, settings.max_waiting))
-    return Scoring(tokens, presets, TritonUpstream(triton_grpc, model_name), base_model=model_name, limits=limits)
+    return Scoring(tokens, presets, TritonUpstream(triton_grpc, model_name), base_model=model_name, limits=limits,
+                   pooled=PooledModel.read(checkpoint))
 
 
 def _tokenizer(checkpoint):

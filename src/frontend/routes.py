@@ -11,43 +11,45 @@
                                  (both: frontend/decisions.py; one engine request per call)
     POST /v1/completions         OpenAI, one token         {id, object: "text_completion", choices[{text, logprobs}], usage}
                                  (echo + logprobs: the prompt's own tokens scored, frontend/echo.py)
+    POST /v1/embeddings, /pooling, /classify, /embed, /predict, /v2/embed
+                                 OpenAI, vLLM, TEI and Cohere embeddings and classification (frontend/pooling_routes.py)
     GET  /v1/models              the presets and the raw model
     GET  /health                 200 while the engine is ready, else 503
     GET  /info, /version         what is served (TEI's /info fields), the version
 
 The user (body `user`, else the `x-prefillonly-user` header) is the cache namespace and the
 stream's affinity header. build_app assembles one router per API family (health and models,
-Jina / vLLM / TEI rerank, Cohere rerank, SGLang / vLLM scoring, OpenAI completions) behind one
-set of error handlers, each refusal in the called API's shape.
+Jina / vLLM / TEI rerank, Cohere rerank, SGLang / vLLM scoring, OpenAI completions, decisions,
+embeddings, classification) behind one set of error handlers, each refusal in the called API's shape.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from importlib.metadata import version as package_version
 import math
 import time
-import uuid
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 
 from ..contract.errors import PrefillOnlyError
-from ..contract.wire import INTERNAL, USER_HEADER, ScoreResult
+from ..contract.wire import INTERNAL, ScoreResult
+from .bodies import body_as as _model, new_id as _new_id, parse_body as _parse, prompts_of, read_json as _json, user_of as _user
 from .decisions import OPENAI_FIELDS, SYSTEMONE_FIELDS, openai_answer, openai_call, systemone_answer, systemone_call, usage
 from .documents import document_text, returned_document
 from .echo import echo_choice
 from .error_shapes import APIError, error_response, validation_message
-from .lenient import IGNORED_HEADER, ignored_fields
+from .lenient import IGNORED_HEADER
+from .pooling_routes import classification_routes, embedding_routes
 from .schemas import CompletionRequest, PairScoreRequest, RerankRequest, ScoreRequest, TeiRerankRequest
 from .scoring import Scored, Scoring, log_odds, relevance
 
 log = logging.getLogger("prefillonly.frontend")
-COHERE_PATHS = ("/v2/rerank",)
+COHERE_PATHS = ("/v2/rerank", "/v2/embed")
+TEI_PATHS = ("/embed", "/predict")  # TEI's own paths (its rerank shares /rerank with Jina's and vLLM's)
 TRUNCATED_HEADER = "x-prefillonly-truncated-documents"  # indices of the documents cut to fit, comma-separated
 COHERE_DEFAULT_MAX_TOKENS_PER_DOC = 4096  # Cohere v2 cuts every document at 4,096 tokens by default
 
@@ -56,7 +58,8 @@ def build_app(scoring: Scoring) -> FastAPI:
     app = FastAPI(title="prefillonly scoring APIs", docs_url=None, redoc_url=None)
     _handle_errors(app)
     _report_headers(app)
-    for routes in (health_routes, rerank_routes, cohere_routes, score_routes, completion_routes, decision_routes):
+    for routes in (health_routes, rerank_routes, cohere_routes, score_routes, completion_routes, decision_routes,
+                   embedding_routes, classification_routes):
         app.include_router(routes(scoring))
     return app
 
@@ -104,6 +107,8 @@ def _style(request: Request) -> str:
     """The error shape of the API called: the path, and for /rerank the body read so far."""
     if request.url.path in COHERE_PATHS:
         return "cohere"
+    if request.url.path in TEI_PATHS:
+        return "tei"
     body = getattr(request.state, "body", None)
     if request.url.path == "/rerank" and isinstance(body, dict) and "texts" in body:
         return "tei"
@@ -348,7 +353,7 @@ def _completion_prompts(scoring: Scoring, body: CompletionRequest) -> list:
     body.allowed_token_ids = _allowed_ids(body)
     if body.echo and body.allowed_token_ids is not None:
         raise APIError("allowed_token_ids does not apply with echo: echo scores the prompt's own tokens", param="allowed_token_ids")
-    prompts = _prompts(body.prompt)
+    prompts = prompts_of(body.prompt, "prompt")
     if body.allowed_token_ids is not None and not body.allowed_token_ids:
         raise APIError("allowed_token_ids is empty", param="allowed_token_ids")
     return prompts
@@ -412,15 +417,6 @@ def _choice(index: int, result: ScoreResult, among_allowed: bool, logprobs: int 
     return {"index": index, "text": chosen.text, "logprobs": lp, "finish_reason": "length"}
 
 
-def _prompts(prompt) -> list:
-    """OpenAI's prompt forms: a text, texts, token ids, lists of token ids."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise APIError("prompt is empty", param="prompt")
-    return [prompt] if isinstance(prompt[0], int) else list(prompt)
-
-
 # -- decisions -------------------------------------------------------------------------------------
 def decision_routes(scoring: Scoring) -> APIRouter:
     router = APIRouter()
@@ -470,37 +466,5 @@ async def _decide(scoring: Scoring, call, user: str | None):
 
 
 # -- what every route shares -----------------------------------------------------------------------
-def _user(request: Request, body_user: str | None) -> str | None:
-    return body_user or request.headers.get(USER_HEADER) or None
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
 def _usage(scored: Scored) -> dict:
     return {"prompt_tokens": scored.prompt_tokens, "total_tokens": scored.prompt_tokens, "cached_tokens": scored.cached_tokens}
-
-
-async def _json(request: Request):
-    try:
-        raw = json.loads(await request.body())
-    except ValueError as e:
-        raise APIError(f"the body is not valid JSON: {e}", param="body") from None
-    request.state.body = raw
-    return raw
-
-
-def _model(request: Request, cls, raw):
-    """`raw` as a `cls` body; the fields it ignored are kept for the answer's header."""
-    try:
-        body = cls.model_validate(raw)
-    except ValidationError as e:
-        message, param = validation_message(e.errors())
-        raise APIError(message, param=param) from None
-    request.state.ignored = ignored_fields(body, request.url.path)
-    return body
-
-
-async def _parse(request: Request, cls):
-    return _model(request, cls, await _json(request))

@@ -112,3 +112,87 @@ class CompletionRequest(_Lenient):
     stop: Optional[Union[str, list[str]]] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
+
+
+# -- embeddings and classification (frontend/pooling_routes.py) ------------------------------------
+Prompts = Union[str, list[str], list[int], list[list[int]]]  # OpenAI's input forms: one prompt, or several
+TruncationSide = Literal["Right", "Left", "right", "left"]  # TEI spells them capitalised, huggingface_hub lower case
+
+
+class _VllmPooling(_Lenient):
+    """What vLLM's pooling requests share (its PoolingBasicRequestMixin): truncate_prompt_tokens
+    -1 (or at least the model's input length) cuts a prompt to fit, from truncation_side (vLLM's
+    pooling default: right, the start kept); a smaller count is refused (the engine cuts to its
+    input length only)."""
+    ORIGINAL_FIELDS: ClassVar[frozenset[str]] = frozenset({"add_special_tokens", "request_id", "mm_processor_kwargs",
+                                                            "cache_salt", "padding"})
+    model: Optional[str] = None
+    user: Optional[str] = None
+    priority: Optional[int] = None  # vLLM: lower runs earlier
+    truncate_prompt_tokens: Optional[int] = Field(None, ge=-1)
+    truncation_side: Optional[Literal["left", "right"]] = None
+    use_activation: Optional[bool] = None  # embed: normalise; classify: the activation (false: raw logits)
+
+
+class EmbeddingRequest(_VllmPooling):
+    """OpenAI `POST /v1/embeddings` (with vLLM's extensions)."""
+    input: Prompts
+    dimensions: Optional[int] = None
+    encoding_format: Literal["float", "base64"] = "float"  # the openai SDK asks base64 unless told otherwise
+    # vLLM's base64 knobs: only what this server writes (little-endian float32) is taken
+    embed_dtype: Optional[Literal["float32"]] = None
+    endianness: Optional[Literal["native", "little"]] = None
+
+
+class PoolingRequest(EmbeddingRequest):
+    """vLLM `POST /pooling`: the served model's own output (task absent), its embedding or its label
+    probabilities."""
+    task: Optional[str] = None
+
+
+class ClassifyRequest(_VllmPooling):
+    """vLLM `POST /classify`; or, this server's best-of-N extension, `prompt` and its `responses`
+    (each scored after the prompt, the prompt computed once) instead of `input`."""
+    input: Optional[Prompts] = None
+    prompt: Optional[Union[str, list[int]]] = None
+    responses: Optional[Union[list[str], list[list[int]]]] = None
+    encoding_format: Optional[str] = None  # refused unless "float": labels' probabilities come as numbers
+
+
+class TeiEmbedRequest(_Lenient):
+    """Text Embeddings Inference `POST /embed` (huggingface_hub's feature_extraction sends it)."""
+    inputs: Prompts
+    normalize: bool = True  # TEI's default, whatever the checkpoint says
+    truncate: Optional[bool] = None  # None: cut, as TEI's --auto-truncate (what /info reports); False: refused
+    truncation_direction: TruncationSide = "Right"
+    prompt_name: Optional[str] = None
+    dimensions: Optional[int] = None
+    model: Optional[str] = None
+    user: Optional[str] = None
+    encoding_format: Optional[str] = None  # refused unless "float": TEI answers floats
+
+
+class TeiPredictRequest(_Lenient):
+    """Text Embeddings Inference `POST /predict`: a text, a pair [a, b], or a list of either
+    (huggingface_hub's text_classification sends `parameters`: top_k, function_to_apply)."""
+    inputs: Union[str, list[Union[str, list[str]]]]
+    raw_scores: bool = False
+    truncate: Optional[bool] = None
+    truncation_direction: TruncationSide = "Right"
+    parameters: Optional[dict] = None
+    model: Optional[str] = None
+    user: Optional[str] = None
+    encoding_format: Optional[str] = None
+
+
+class CohereEmbedRequest(_Lenient):
+    """Cohere v2 `POST /v2/embed`, texts only."""
+    model: Optional[str] = None
+    texts: Optional[list[str]] = None
+    images: Optional[list] = None  # refused: text only
+    inputs: Optional[list] = None  # refused: text only
+    input_type: Optional[str] = None  # a named prompt of the checkpoint where it has one of that name
+    embedding_types: Optional[list[str]] = None  # ["float"] only
+    output_dimension: Optional[int] = None
+    truncate: Optional[Literal["NONE", "START", "END"]] = None  # Cohere's default END: the end cut
+    max_tokens: Optional[int] = None  # refused: the engine cuts to its input length only

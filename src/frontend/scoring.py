@@ -13,6 +13,7 @@ from ..contract.decisions import DecisionCall, DecisionResult
 from ..contract.limits import DEFAULT_MAX_ITEMS
 from ..contract.wire import ScoreResult, TokenScore
 from .error_shapes import APIError
+from .pooling import PooledModel, Pooler
 from .presets import QUERY, DOCUMENT, Rendered, ScoringPreset, TemplateTokenizer
 from .upstream import TritonUpstream, UpstreamError
 
@@ -46,12 +47,15 @@ class Scored:
 
 class Scoring:
     def __init__(self, tokens: TemplateTokenizer, presets: dict[str, ScoringPreset], upstream: TritonUpstream,
-                 base_model: str = "prefillonly", limits: Limits = Limits()):
+                 base_model: str = "prefillonly", limits: Limits = Limits(), pooled: PooledModel = PooledModel()):
         self.tokens = tokens
         self.presets = presets
         self.upstream = upstream
         self.base_model = base_model  # the raw model: completions, and score routes without a template
         self.limits = limits
+        # the embedding and classification routes' work (pooling.py)
+        self.pooler = Pooler(upstream, pooled, base_model, max_input_len=tokens.max_input_len, max_prompts=limits.max_prompts,
+                             max_items=limits.max_documents)
         self._raw = ScoringPreset(name=base_model, template=QUERY + DOCUMENT, labels=(), label_ids=())
 
     # -- models -----------------------------------------------------------------------------

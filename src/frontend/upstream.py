@@ -10,7 +10,8 @@ until every answer is in (Triton's decoupled model answers each request once).
 
 Each result is a ScoreResult (prefillonly.contract.wire, decoded from its `result_json` output): tokens
 [TokenScore(id, text, logprob, prob)], chosen, top_k, prompt_tokens, cached_tokens; the
-prompt_logprobs task's is a PromptLogprobs. Requests are
+prompt_logprobs task's is a PromptLogprobs, the embed task's an EmbeddingResult, the classify
+task's a ClassificationResult (one per prompt, or per item). Requests are
 built by the clients' rule (wire.request_fields, wire.infer_inputs), the affinity header by its
 rule for a user id (wire.routing_headers). Engine errors come back as UpstreamError with the
 engine's code ("invalid_request", "overloaded", ...) and message.
@@ -26,8 +27,9 @@ import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from ..contract.decisions import DecisionResult
-from ..contract.wire import (DECIDE, INTERNAL, MODEL, PROMPT_LOGPROBS, RESULT_JSON, UNAVAILABLE, PromptLogprobs, ScoreResult, code_of,
-                    decode_answers, infer_inputs, request_fields, result_documents, routing_headers)
+from ..contract.wire import (CLASSIFY, DECIDE, EMBED, INTERNAL, MODEL, PROMPT_LOGPROBS, RESULT_JSON, UNAVAILABLE,
+                             ClassificationResult, EmbeddingResult, PromptLogprobs, ScoreResult, code_of, decode_answers,
+                             infer_inputs, request_fields, result_documents, routing_headers)
 
 
 class UpstreamError(Exception):
@@ -91,16 +93,34 @@ class TritonUpstream:
                             top_k: int = 0, priority: int = 0) -> list[ScoreResult]:
         """Independent prompts (token ids), one Triton request each on one stream, so the engine's
         scheduler sees them all at once; results in order."""
-        requests = [self._request(request_fields(p, allowed_ids, top_k=top_k or None, priority=priority or None,
-                                                 user=user or None)) for p in prompts]
-        return [r[0] for r in await self._stream(requests, user)]
+        return await self._each(prompts, allowed_ids, user=user, top_k=top_k or None, priority=priority or None)
 
     async def prompt_logprobs(self, prompts: list[list[int]], *, top_k: int = 0, user: str | None = None) -> list[PromptLogprobs]:
         """Each prompt's own tokens' logprobs from its second token on (the prompt_logprobs task),
         one Triton request each on one stream; results in order."""
-        requests = [self._request(request_fields(p, [], task=PROMPT_LOGPROBS, top_k=top_k or None, user=user or None))
-                    for p in prompts]
-        return [r[0] for r in await self._stream(requests, user)]
+        return await self._each(prompts, [], user=user, task=PROMPT_LOGPROBS, top_k=top_k or None)
+
+    async def embed(self, prompts: list, *, dimensions: int | None = None, normalize: bool | None = None,
+                    prompt_name: str | None = None, truncate: str | None = None, user: str | None = None,
+                    priority: int = 0) -> list[EmbeddingResult]:
+        """Each prompt's embedding (texts, which the engine tokenizes after the named prompt, or
+        token-id lists), one Triton request each on one stream; an option left None is the
+        checkpoint's (its normalisation, its default prompt) or none (no truncation: a prompt too
+        long is refused)."""
+        return await self._each(prompts, [], user=user, task=EMBED, dimensions=dimensions, normalize=normalize,
+                                prompt_name=prompt_name, truncate=truncate, priority=priority or None)
+
+    async def classify(self, prompts: list, *, truncate: str | None = None, user: str | None = None,
+                       priority: int = 0) -> list[ClassificationResult]:
+        """A sequence classifier's label scores after each prompt, one Triton request each."""
+        return await self._each(prompts, [], user=user, task=CLASSIFY, truncate=truncate, priority=priority or None)
+
+    async def classify_items(self, prompt, items: list, *, user: str | None = None,
+                             priority: int = 0) -> list[ClassificationResult]:
+        """One request: `prompt` computed once, the label scores after prompt + each item (texts,
+        appended without special tokens, or token-id lists): best-of-N responses to one prompt."""
+        fields = request_fields(prompt, [], items=items, task=CLASSIFY, priority=priority or None, user=user or None)
+        return (await self._stream([self._request(fields)], user))[0]
 
     async def decide(self, call_json: str, *, user: str | None = None, priority: int = 0) -> DecisionResult:
         """One decision call (the decide task: its questions over one shared prefill of its input)."""
@@ -108,6 +128,12 @@ class TritonUpstream:
         return (await self._stream([self._request(fields)], user, decode=_decisions))[0][0]
 
     # -- plumbing ------------------------------------------------------------------------------
+    async def _each(self, prompts: list, allowed: list, *, user: str | None, **options) -> list:
+        """One Triton request per prompt (request_fields' options; None: not sent) on one stream,
+        so the engine's scheduler sees them all at once; each one's single result, in order."""
+        requests = [self._request(request_fields(p, allowed, user=user or None, **options)) for p in prompts]
+        return [r[0] for r in await self._stream(requests, user)]
+
     def _request(self, fields: dict) -> dict:
         return {"model_name": self.model, "inputs": infer_inputs(grpcclient, fields), "request_id": str(next(self._ids)),
                 "outputs": [grpcclient.InferRequestedOutput(RESULT_JSON)]}

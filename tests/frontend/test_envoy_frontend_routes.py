@@ -1,7 +1,7 @@
 """Which paths the front door sends to the scoring frontend, and the error shape of Envoy's own
 replies there (prefillonly.serving.host.envoy_config FRONTEND_ROUTES, LOCAL_REPLY_STYLES): through
 the real serve stack (Envoy, the supervised tritonserver and the frontend, on the small model),
-GET /health, /info, /version and POST /score reach the frontend, and a body over
+GET /health, /info, /version and POST /score and the embedding and classification paths reach the frontend, and a body over
 max_request_bytes gets 413 in the route's API shape (OpenAI, Cohere, TEI, Triton's) while the
 server goes on serving. Envoy's 503 (no healthy upstream) is checked on a front door whose
 upstreams are all down, without a server."""
@@ -44,8 +44,9 @@ def test_health_info_version_and_score_go_to_the_frontend(stack):
     for path in ("/info", "/version"):
         status, raw, headers = get(stack.http_url + path)
         assert answered_by_port(headers) == stack.frontend.port, (path, status, raw[:300])
-    status, raw, headers = post(f"{stack.http_url}/score", b"{}")
-    assert answered_by_port(headers) == stack.frontend.port, (status, raw[:300])
+    for path in ("/score", "/v2/embed", "/embed", "/predict", "/classify", "/pooling"):
+        status, raw, headers = post(stack.http_url + path, b"{}")
+        assert answered_by_port(headers) == stack.frontend.port, (path, status, raw[:300])
     # Triton's own paths (all under /v2/) still go to Triton
     status, _, headers = get(f"{stack.http_url}/v2/health/ready")
     assert status == 200 and answered_by_port(headers) == stack.server.http_port
@@ -75,12 +76,13 @@ def triton_shape(reply: dict, status: int) -> str:
 
 
 SHAPES = {"/v1/rerank": openai_shape, "/score": openai_shape, "/generative_scoring": openai_shape,
-          "/v1/decisions": openai_shape, "/v1/systemone": openai_shape,
-          "/v2/rerank": cohere_shape, "/rerank": tei_shape, "/v2/models/prefillonly/generate": triton_shape}
+          "/v1/decisions": openai_shape, "/v1/systemone": openai_shape, "/v1/embeddings": openai_shape,
+          "/classify": openai_shape, "/pooling": openai_shape, "/v2/rerank": cohere_shape, "/v2/embed": cohere_shape,
+          "/rerank": tei_shape, "/embed": tei_shape, "/predict": tei_shape, "/v2/models/prefillonly/generate": triton_shape}
 
 
 @pytest.mark.parametrize("path", ["/v1/rerank", "/v2/rerank", "/rerank", "/v2/models/prefillonly/generate", "/v1/decisions",
-                                  "/v1/systemone"])
+                                  "/v1/systemone", "/v2/embed", "/embed", "/classify"])
 def test_too_large_body_is_refused_in_the_routes_error_shape(stack, path):
     status, raw, headers = post(stack.http_url + path, TOO_LARGE)
     assert status == 413 and headers["content-type"] == "application/json", (status, raw[:300])

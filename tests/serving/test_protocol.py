@@ -100,6 +100,17 @@ def test_the_loglikelihood_and_prompt_logprobs_tasks():
     assert parse_request({"text_input": b("a"), "allowed_tokens": b(" Yes"), "items": b("x", "y")}).kind == "items"
 
 
+def test_the_pooled_tasks_and_their_options():
+    call = parse_request({"text_input": b("a", "b"), "task": b("embed"), "dimensions": np.array([8]),
+                          "normalize": np.array([False]), "prompt_name": b("query"), "truncate": b("left")})
+    assert call.kind == "embed" and call.prompts == ["a", "b"] and call.allowed == []
+    assert call.options == {"dimensions": 8, "normalize": False, "prompt_name": "query", "truncate": "left"}
+    call = parse_request({"text_input": b("a"), "task": b("classify"), "truncate": b("right")})
+    assert call.kind == "classify" and call.options == {"truncate": "right"}
+    call = parse_request({"text_input": b("prompt"), "items": b("r1", "r2"), "task": b("classify"), "priority": np.array([1])})
+    assert call.kind == "classify_items" and call.items == ["r1", "r2"] and call.options == {"priority": 1}
+
+
 @pytest.mark.parametrize("tensors,match", [
     ({"text_input": b("a"), "task": b("generate")}, "unknown task 'generate'; choose one of score, loglikelihood, prompt_logprobs"),
     ({"text_input": b("a"), "task": b("loglikelihood")}, "needs the continuations as items"),
@@ -109,6 +120,12 @@ def test_the_loglikelihood_and_prompt_logprobs_tasks():
     ({"text_input": b("a"), "allowed_tokens": b(" Yes"), "logprobs_start": np.array([2])}, "logprobs_start does not apply to task 'score'"),
     ({"text_input": b("a"), "items": b("x"), "task": b("loglikelihood"), "item_template": b("Q {item}")},
      "item_template does not apply to task 'loglikelihood'"),
+    ({"text_input": b("a"), "allowed_tokens": b(" Yes"), "normalize": np.array([True])}, "normalize does not apply to task 'score'"),
+    ({"text_input": b("a"), "task": b("classify"), "dimensions": np.array([4])}, "dimensions does not apply to task 'classify'"),
+    ({"text_input": b("a"), "items": b("x"), "task": b("classify"), "truncate": b("right")},
+     "truncate does not apply to task 'classify'"),
+    ({"text_input": b("a"), "task": b("embed"), "normalize": np.array([1])}, "normalize must be true or false"),
+    ({"text_input": b("a"), "task": b("embed"), "dimensions": b("8")}, "dimensions must be an integer"),
 ])
 def test_bad_task_requests_name_the_problem(tensors, match):
     with pytest.raises(InvalidRequestError, match=match):
@@ -127,3 +144,26 @@ def test_task_outputs_are_result_json_and_token_counts():
     assert decode_answers(list(out["result_json"])) == scores
     span = PromptLogprobs([5, 6, 7], 1, [-0.25, -2.0], [True, False], [[TokenScore(6, "x", -0.25, 0.78)], [TokenScore(1, "y", -0.1, 0.9)]])
     assert decode_answers(list(results_to_outputs(ScoreCall(["q"], [], kind="prompt_logprobs"), [span])["result_json"])) == [span]
+
+
+@pytest.mark.parametrize("head,kind", [("lm", "score"), ("embedding", "embed"), ("classifier", "classify")])
+def test_the_liveness_probe_runs_as_a_task_the_checkpoint_answers(head, kind):
+    """The probe (and the model's warm-up) is a 1-token score; on an embedding model or a classifier
+    the engine would refuse that before its worker, proving nothing: it runs as embed or classify."""
+    from types import SimpleNamespace
+
+    from prefillonly.contract.wire import LIVENESS_USER
+    from prefillonly.serving.model.protocol import submit_call
+
+    submitted = []
+    engine = SimpleNamespace(spec=SimpleNamespace(head=head), progressing_step=lambda: None,
+                             submit_task=lambda name, prompt, **kw: submitted.append((name, prompt, kw)))
+    call = parse_request({"input_ids": np.array([0]), "allowed_token_ids": np.array([0]), "cache_prefix_len": np.array([0]),
+                          "priority": np.array([9]), "user": b(LIVENESS_USER)})
+    submit_call(engine, call)
+    options = {"cache_prefix_len": 0, "priority": 9, "user": LIVENESS_USER, "limits_checked": False}
+    assert submitted == [(kind, [0], dict(options, allowed=[0]) if kind == "score" else options)]
+    assert call.kind == kind  # its answer is built as that kind's
+    client = parse_request({"input_ids": np.array([0]), "allowed_token_ids": np.array([0])})
+    submit_call(engine, client)
+    assert client.kind == "score" and submitted[-1][0] == "score"  # a client's request is never changed

@@ -91,6 +91,24 @@ def test_loglikelihood_and_prompt_logprobs_tasks_equal_the_engine(server, engine
     assert [json.loads(x)["tokens"] for x in result.as_numpy("result_json")] == [1, 2]
 
 
+def test_the_embed_task_through_generate_and_the_forwarder(server, engine):
+    """A causal LM embeds (its last token, normalised): HTTP generate's JSON, and the forwarder's
+    [results, dimensions] tensor over plain gRPC infer; classify is refused naming the checkpoint."""
+    texts = [PROMPT, "Is fire cold? Answer:"]
+    status, out = generate(server, {"text_input": texts[0], "task": "embed", "dimensions": 32, "normalize": False})
+    assert status == 200 and "chosen_token" not in out, out
+    want = engine.embed(texts[0], dimensions=32, normalize=False)
+    assert json.loads(out["result_json"])["embedding"] == pytest.approx(want.embedding, abs=1e-4)
+    assert out["embedding"] == pytest.approx(want.embedding, abs=1e-4)
+    result = unary_infer(server.grpc_url, {"text_input": texts, "task": "embed", "dimensions": 16}, 120, "grpc")
+    vectors = result.as_numpy("embedding")
+    assert vectors.shape == (2, 16) and str(vectors.dtype) == "float32"
+    for got, exp in zip(vectors, engine.embed(texts, dimensions=16)):
+        assert got.tolist() == pytest.approx(exp.embedding, abs=1e-4)
+    status, out = generate(server, {"text_input": PROMPT, "task": "classify"})
+    assert status == 400 and "needs a sequence classifier" in out["error"] and "LlamaForCausalLM" in out["error"], out
+
+
 @pytest.mark.parametrize("body,needle", [
     ({"text_input": PROMPT, "task": "generate"}, "unknown task 'generate'"),
     ({"text_input": PROMPT, "task": "loglikelihood"}, "needs the continuations as items"),

@@ -18,6 +18,7 @@ from prefillonly.contract import wire
 from prefillonly.contract.wire import ScoreResult, TokenScore
 
 ROOT = Path(__file__).resolve().parents[2]
+POOLED_OUTPUTS = {"embedding", "class_logits", "class_probs"}  # embed's and classify's columns
 _TENSOR = re.compile(r'\{\s*name:\s*"(\w+)"\s*data_type:\s*(\w+)\s*dims:\s*\[([^\]]*)\]')
 
 
@@ -47,13 +48,35 @@ def test_results_come_back_as_the_same_frozen_result():
     sent = [result(top_k=[TokenScore(3, "x", -0.01, 0.99)], prompt_tokens=7, cached_tokens=4, peak_bytes=1 << 20),
             result(0.1)]
     outputs = results_to_outputs(ScoreCall(["q"], [" Yes"]), sent)
-    assert set(outputs) == set(wire.OUTPUTS)
-    assert all(str(outputs[name].dtype) in ("object", "int64", "float32") for name in wire.OUTPUTS)
+    assert set(outputs) == set(wire.OUTPUTS) - POOLED_OUTPUTS  # a score has every output but the pooled tasks' own
+    assert all(str(outputs[name].dtype) in ("object", "int64", "float32") for name in outputs)
     assert wire.decode_results(outputs[wire.RESULT_JSON]) == sent
     assert " Noé" in outputs[wire.RESULT_JSON][0].decode()  # UTF-8, not \u escapes
     assert wire.decode_results(sent[0].to_json()) == sent[:1]  # HTTP generate's scalar form
     with pytest.raises(AttributeError):
         sent[0].prompt_tokens = 1
+
+
+@pytest.mark.parametrize("kind,results,column", [
+    ("embed", [wire.EmbeddingResult([0.6, 0.8], normalized=True, prompt_tokens=3),
+               wire.EmbeddingResult([1.0, 0.0], pooling="mean", prompt_tokens=2, cached_tokens=1)], "embedding"),
+    ("classify", [wire.ClassificationResult([2.0, -1.0, 0.5], [0.79, 0.04, 0.17], ["a", "b", "c"], "a", prompt_tokens=4)],
+     "class_probs"),
+])
+def test_pooled_results_fill_their_own_columns_as_declared(kind, results, column):
+    """embed and classify answers: result_json decodes to the same results, and their columns are
+    [results, values] float32, as the configs declare them (dims -1, -1)."""
+    from prefillonly.serving.model.protocol import ScoreCall, results_to_outputs
+
+    outputs = results_to_outputs(ScoreCall(["q"] * len(results), [], kind=kind), results)
+    assert column in outputs and set(outputs) <= set(wire.OUTPUTS)
+    assert not {"chosen_token", "allowed_probs"} & set(outputs)
+    dims = {t.name: t.dims for t in wire.OUTPUT_TENSORS}
+    for name, array in outputs.items():
+        assert array.ndim == len(dims[name]) and array.shape[0] == len(results), (name, array.shape)
+    values = [r.embedding if kind == "embed" else r.probs for r in results]
+    assert outputs[column].dtype == np.float32 and np.allclose(outputs[column], values)
+    assert wire.decode_answers(outputs[wire.RESULT_JSON]) == results
 
 
 def test_one_status_per_code():

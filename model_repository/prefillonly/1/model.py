@@ -25,7 +25,7 @@ from prefillonly.contract.errors import InvalidRequestError
 from prefillonly.serving.model.drain import DrainWatch, drain_file_from_env
 from prefillonly.serving.model.inflight import InFlightWatcher, PendingRequest, when_all_done
 from prefillonly.serving.model.metrics import EngineMetrics
-from prefillonly.serving.model.protocol import error_reply, parse_request, results_to_outputs, submit_call
+from prefillonly.serving.model.protocol import ScoreCall, error_reply, make_answerable, parse_request, results_to_outputs, submit_call
 from prefillonly.contract.wire import INPUTS
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -55,11 +55,14 @@ class TritonPythonModel:
                                  f"{cfg.dtype_reason}; warm-up request of {WARMUP_TOKENS} tokens took {warmup_s * 1e3:.0f} ms)")
 
     def _warm_up(self) -> float:
-        """One short request through the whole engine path (queue, cache, forward, scoring),
-        so that the first client request does not pay for lazy initialisation. Token ids, so it
-        works without a tokenizer; nothing is kept in the prefix cache."""
+        """One short request through the whole engine path (queue, cache, forward, scoring or
+        pooling: a kind the checkpoint answers), so that the first client request does not pay for
+        lazy initialisation. Token ids, so it works without a tokenizer; nothing is kept in the
+        prefix cache."""
         t0 = time.perf_counter()
-        self.engine.score([0] * WARMUP_TOKENS, [0], cache_prefix_len=0)
+        call = make_answerable(self.engine, ScoreCall([[0] * WARMUP_TOKENS], [0], options={"cache_prefix_len": 0}))
+        for future in submit_call(self.engine, call):
+            future.result()
         return time.perf_counter() - t0
 
     def execute(self, requests):

@@ -39,7 +39,8 @@ Ctrl-C (SIGINT) or SIGTERM stops the server (waiting requests are answered engin
 
 
 SCORING_APIS_HINT = """\
-Scoring APIs (Cohere / Jina / vLLM / TEI rerank, SGLang / vLLM score, OpenAI completions; models: GET {http}/v1/models):
+Scoring APIs (Cohere / Jina / vLLM / TEI rerank, SGLang / vLLM score, OpenAI completions, OpenAI / vLLM / TEI / Cohere
+embeddings and classification, as the checkpoint answers; models: GET {http}/v1/models):
   curl -s {http}/v1/rerank -H 'Content-Type: application/json' \\
        -d '{{"model": "qwen3-reranker", "query": "capital of France", "documents": ["Paris is the capital of France.", "Berlin is in Germany."]}}'
 """
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--no-proxy", action="store_true",
                    help="no Envoy in front: Triton binds the ports itself (unsafe: see docs/serving.md, 'Reliability and security')")
     s.add_argument("--no-frontend", action="store_true",
-                   help="no scoring-API frontend (rerank, score, completions routes); Triton's own routes only")
+                   help="no scoring-API frontend (rerank, score, completions, embedding routes); Triton's own routes only")
     s.add_argument("--frontend-upstream", default=None, metavar="HOST:PORT",
                    help="gRPC address the frontend calls (default: this Triton); in a fleet, the fleet front door's, so "
                         "that a request's `user` field routes it to that user's replica")

@@ -88,20 +88,24 @@ _HEALTH_PATH = "/v2/health/ready"
 FRONTEND_HEALTH_PATH = "/health"  # the frontend's: 200 while its engine is ready
 # the scoring APIs (prefillonly.frontend) on the HTTP listener; everything else goes to Triton.
 # /v1/ is whole (Triton has no /v1 routes), so an unknown /v1 path gets the frontend's JSON 404.
-# /health, /info, /version and /score are exact paths: Triton's own are all under /v2/, so nothing
-# collides. Any method goes to the frontend (a wrong one gets its JSON 405, not Triton's 404).
+# /health, /info, /version, /score and the pooling paths are exact paths: Triton's own are /v2/models/...,
+# /v2/health/..., /v2/repository/... and the like, so nothing collides (/v2/embed and /v2/rerank are
+# not Triton's). Any method goes to the frontend (a wrong one gets its JSON 405, not Triton's 404).
 FRONTEND_ROUTES = ({"prefix": "/v1/"}, {"path": "/v2/rerank"}, {"path": "/rerank"}, {"path": "/generative_scoring"},
-                   {"path": "/score"}, {"path": "/health"}, {"path": "/info"}, {"path": "/version"})
+                   {"path": "/score"}, {"path": "/health"}, {"path": "/info"}, {"path": "/version"},
+                   {"path": "/v2/embed"}, {"path": "/embed"}, {"path": "/predict"}, {"path": "/classify"},
+                   {"path": "/pooling"})
 # Envoy's own replies (413, 503) on a scoring-API route come in that API's error shape (those of
 # prefillonly.frontend.error_shapes); every other path (Triton's, and /health, /info, /version) keeps
 # Triton's {"error": "..."}. Style -> the FRONTEND_ROUTES matches it covers.
 LOCAL_REPLY_STYLES = {
-    "openai": ({"prefix": "/v1/"}, {"path": "/generative_scoring"}, {"path": "/score"}),
-    "cohere": ({"path": "/v2/rerank"},),
+    "openai": ({"prefix": "/v1/"}, {"path": "/generative_scoring"}, {"path": "/score"}, {"path": "/classify"},
+               {"path": "/pooling"}),
+    "cohere": ({"path": "/v2/rerank"}, {"path": "/v2/embed"}),
     # /rerank takes Jina/vLLM bodies and TEI bodies alike, and Envoy cannot read the body for a
     # local reply: TEI's shape, because TEI clients (e.g. LlamaIndex's TEI reranker) parse its
     # {"error", "error_type"} body, while a Jina/vLLM client still gets the status and a message.
-    "tei": ({"path": "/rerank"},),
+    "tei": ({"path": "/rerank"}, {"path": "/embed"}, {"path": "/predict"}),
 }
 
 TOO_LARGE_MESSAGE = ("invalid_request: the request body is over the limit of {max_request_bytes} bytes "

@@ -34,7 +34,9 @@ def probe(http_url: str, model: str = "prefillonly", timeout: float = 60.0) -> t
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             reply = json.loads(r.read() or b"{}")
-            return ("chosen_token_id" in reply), f"HTTP {r.status}: answered"
+            # result_json: every task's answer (on an embedding model or a classifier the model
+            # runs the probe as the pooled task the checkpoint answers: protocol.make_answerable)
+            return ("result_json" in reply), f"HTTP {r.status}: answered"
     except urllib.error.HTTPError as e:
         try:
             error = str(json.loads(e.read() or b"{}").get("error", ""))

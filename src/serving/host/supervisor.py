@@ -3,7 +3,7 @@
     client -> Envoy (host:http_port, host:grpc_port; body limit, header stripping)
            -> tritonserver (127.0.0.1, internal ports; metrics on host:metrics_port)
            -> the prefillonly model's engine (a Python backend stub process)
-    client -> Envoy (host:http_port: /v1/..., /v2/rerank, /rerank, /generative_scoring)
+    client -> Envoy (host:http_port: /v1/..., /v2/rerank, /rerank, /v2/embed, ...: envoy_config.FRONTEND_ROUTES)
            -> the scoring-API frontend (prefillonly.frontend, 127.0.0.1) -> Triton's gRPC
 
 The watchdog restarts tritonserver (a process restart: the model reload API would need the

@@ -17,9 +17,16 @@ Inputs (all optional except a prompt and the allowed tokens):
   apply_chat_template   BOOL [1]
   user                  BYTES [1]   cache namespace (tenant / user isolation)
   task                  BYTES [1]   "score" (the default), "loglikelihood" (the prompt is the context,
-                        the items its continuations; no allowed tokens) or "prompt_logprobs" (each
-                        prompt's own tokens' logprobs from logprobs_start on, top_k <= 20 at each)
+                        the items its continuations; no allowed tokens), "prompt_logprobs" (each
+                        prompt's own tokens' logprobs from logprobs_start on, top_k <= 20 at each),
+                        "decide", "embed" (each prompt's embedding) or "classify" (a classifier's
+                        label scores after each prompt; with items: after the one prompt + each item)
   logprobs_start        INT64 [1]   prompt_logprobs: the first position scored (default 1)
+  dimensions            INT64 [1]   embed: keep the first n dimensions (Matryoshka), before normalising
+  normalize             BOOL  [1]   embed: L2-normalise (default: as the checkpoint says)
+  prompt_name           BYTES [1]   embed: the checkpoint's named prompt put before each text
+  truncate              BYTES [1]   embed, classify without items: cut a prompt over the input length,
+                        "right" (keep its start) or "left" (keep its end); absent: refused as too long
 Outputs, one element per result (prompts, or items of a multi-item call), in order:
   result_json           BYTES [r]   the whole ScoreResult as JSON (ScoreResult.to_json; the unambiguous form)
   chosen_token          BYTES [r]
@@ -28,8 +35,13 @@ Outputs, one element per result (prompts, or items of a multi-item call), in ord
   allowed_probs         FP32  [r*k] row-major: result i's k allowed tokens in the order asked
   allowed_logprobs      FP32  [r*k] full-vocabulary log-probabilities, same layout
   prompt_tokens, cached_tokens   INT64 [r]
-(loglikelihood and prompt_logprobs: result_json, a ContinuationScore or PromptLogprobs each, and
-prompt_tokens and cached_tokens only.)
+  embedding             FP32  [r, d] embed: each result's vector (d: its dimensions)
+  class_logits, class_probs   FP32 [r, labels]   classify: the score head's raw outputs and their
+                        probabilities (softmax, sigmoid, or the raw score, as the checkpoint says)
+(loglikelihood, prompt_logprobs and decide: result_json, a ContinuationScore, PromptLogprobs or
+DecisionResult each, and prompt_tokens and cached_tokens only; embed and classify: result_json (an
+EmbeddingResult or ClassificationResult each), the counts and their own columns above, no chosen
+token. A task that lists no option refuses it: normalize on a score request is invalid_request.)
 The names, datatypes and dims, the error codes and their statuses are data in prefillonly.contract.wire.
 """
 
@@ -132,7 +144,11 @@ def _task(tensors: dict[str, np.ndarray]) -> str:
 # the option inputs and the engine keyword each becomes; a kind lists those it takes (an option of
 # another kind is refused, not ignored)
 OPTION_INPUTS = {"cache_prefix_len": "cache_prefix_len", "top_k": "top_k", "priority": "priority",
-                 "logprobs_start": "start", "apply_chat_template": "apply_chat_template", "item_template": "item_template"}
+                 "logprobs_start": "start", "apply_chat_template": "apply_chat_template", "item_template": "item_template",
+                 "dimensions": "dimensions", "normalize": "normalize", "prompt_name": "prompt_name", "truncate": "truncate"}
+# how each option's one value is read (the rest are INT64); the kind checks the value itself
+_FLAG_OPTIONS = ("apply_chat_template", "normalize")
+_TEXT_OPTIONS = ("item_template", "prompt_name", "truncate")
 
 
 def _kind_options(tensors: dict[str, np.ndarray], kind, limits: RequestLimits | None) -> dict:
@@ -142,9 +158,9 @@ def _kind_options(tensors: dict[str, np.ndarray], kind, limits: RequestLimits | 
             continue
         if name not in kind.options:
             raise InvalidRequestError(f"{name} does not apply to task {kind.wire_task!r}")
-        if name == "apply_chat_template":
-            options[keyword] = bool(_scalar(tensors[name], name))
-        elif name == "item_template":
+        if name in _FLAG_OPTIONS:
+            options[keyword] = _scalar_bool(tensors[name], name)
+        elif name in _TEXT_OPTIONS:
             options[keyword] = _text(_scalar(tensors[name], name), name, limits)
         else:
             options[keyword] = _scalar_int(tensors[name], name)
@@ -156,11 +172,13 @@ def submit_call(engine, call: ScoreCall) -> list:
     runs each prompt on its own, else one; if one is refused, those queued are cancelled and the
     error raised (the Triton request is answered with it). What parse_request checked against the
     engine's limits the engine does not check again. A liveness probe while a long step keeps making
-    progress is answered engine_busy at once (Engine.progressing_step)."""
+    progress is answered engine_busy at once (Engine.progressing_step), else it runs as a kind the
+    checkpoint answers (make_answerable)."""
     if call.options.get("user") == LIVENESS_USER:
         progress = engine.progressing_step()
         if progress is not None:  # alive and working: the probe need not wait for that step's end
             raise EngineBusyError(f"the engine is busy, {progress}")
+        make_answerable(engine, call)
     kind = tasks.kind_named(call.kind)
     arguments = dict(call.options)
     if kind.takes_allowed:
@@ -176,6 +194,21 @@ def submit_call(engine, call: ScoreCall) -> list:
             f.cancel()
         raise
     return futures
+
+
+def make_answerable(engine, call: ScoreCall) -> ScoreCall:
+    """Where the served checkpoint cannot answer `call`'s kind (a score asked of an embedding model
+    or a sequence classifier), turn it, in place (its answer is then that kind's), into the pooled
+    kind it does answer (embed, classify) over the same prompts, keeping the options that kind
+    takes: what the model's warm-up and the liveness probe run, so that they reach the engine's
+    worker instead of being refused before it. Returns `call`."""
+    head = getattr(getattr(engine, "spec", None), "head", None)
+    if head is None or head in tasks.kind_named(call.kind).heads:
+        return call
+    kind = next(k for k in map(tasks.kind_named, ("embed", "classify")) if head in k.heads)
+    call.kind, call.allowed, call.items = kind.name, [], None
+    call.options = {name: value for name, value in call.options.items() if name in kind.options or name == "user"}
+    return call
 
 
 def _items(tensors: dict[str, np.ndarray], limits: RequestLimits | None) -> list | None:
@@ -239,6 +272,13 @@ def _scalar(a, name: str):
     if arr.size != 1:
         raise InvalidRequestError(f"{name} must hold exactly one value, got {arr.size}")
     return arr[0]
+
+
+def _scalar_bool(a, name: str) -> bool:
+    value = _scalar(a, name)
+    if not isinstance(value, (bool, np.bool_)):
+        raise InvalidRequestError(f"{name} must be true or false (BOOL), got {value!r}")
+    return bool(value)
 
 
 def _scalar_int(a, name: str) -> int:
