@@ -17,23 +17,25 @@ SERVED_MODEL_NAME = "smollm2"
 LLM_CLASS_MAX_NUM_BATCHED_TOKENS, LLM_CLASS_MAX_NUM_SEQS = 4096, 256
 
 
-def vllm_server_command(model_dir: str, port: int, host: str = "127.0.0.1", prefix_caching: bool = True,
+def vllm_server_command(model_dir: str, port: int, host: str = "127.0.0.1", prefix_caching: bool | None = True,
                         max_model_len: int | None = None, max_num_batched_tokens: int | None = LLM_CLASS_MAX_NUM_BATCHED_TOKENS,
-                        max_num_seqs: int | None = LLM_CLASS_MAX_NUM_SEQS, dtype: str = "bfloat16") -> list[str]:
+                        max_num_seqs: int | None = LLM_CLASS_MAX_NUM_SEQS, dtype: str = "bfloat16",
+                        extra_args: list[str] | None = None) -> list[str]:
     """`python -m vllm.entrypoints.openai.api_server` in the vLLM venv, per docs/design.md §11's CPU recipe
     (bf16 unless `dtype`, eager), prefix caching on, the offline `LLM`'s batch limits (None = the server's own
-    defaults), and per-request cached-token counts in `usage`."""
+    defaults), and per-request cached-token counts in `usage`; `extra_args` last (e.g. `--runner pooling`)."""
     cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
            "--served-model-name", SERVED_MODEL_NAME, "--host", host, "--port", str(port), "--dtype", dtype,
-           "--enforce-eager", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
-           "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+           "--enforce-eager", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
+    if prefix_caching is not None:  # None: vLLM's own default for the model (pooling: on for last-token pooling only)
+        cmd.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
     if max_num_batched_tokens:
         cmd += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     if max_num_seqs:
         cmd += ["--max-num-seqs", str(max_num_seqs)]
     if max_model_len:
         cmd += ["--max-model-len", str(max_model_len)]
-    return cmd
+    return cmd + list(extra_args or ())
 
 
 class VllmServer(LoggedProcess):
@@ -46,10 +48,11 @@ class VllmServer(LoggedProcess):
     name = "vLLM server"
     error = VllmRunError
 
-    def __init__(self, kv_space_gib: int = 4, threads: int = 2, model_dir: str | None = None, prefix_caching: bool = True,
+    def __init__(self, kv_space_gib: int = 4, threads: int = 2, model_dir: str | None = None, prefix_caching: bool | None = True,
                  max_model_len: int | None = None, host: str = "127.0.0.1", port: int | None = None,
-                 extra_env: dict | None = None, dtype: str = "bfloat16"):
+                 extra_env: dict | None = None, dtype: str = "bfloat16", extra_args: list[str] | None = None):
         super().__init__()
+        self.extra_args = list(extra_args or ())  # more server flags (pooling: --runner pooling --convert embed)
         self.dtype = dtype
         self.kv_space_gib, self.threads, self.model_dir = kv_space_gib, threads, model_dir
         self.extra_env = dict(extra_env or {})  # e.g. VLLM_CPU_OMP_THREADS_BIND=nobind, on top of vllm_env
@@ -67,7 +70,7 @@ class VllmServer(LoggedProcess):
         require_vllm_venv()
         self.port = self.port or free_ports(1, self.host)[0]
         command = vllm_server_command(self.model_dir or bu.default_model_dir(), self.port, self.host,
-                                      self.prefix_caching, self.max_model_len, dtype=self.dtype)
+                                      self.prefix_caching, self.max_model_len, dtype=self.dtype, extra_args=self.extra_args)
         bu.log(f"vLLM server: {' '.join(f'{k}={v}' for k, v in self.extra_env.items())} {' '.join(command)} (log {log_path})".replace(":  ", ": "))
         self._spawn(command, log_path, env={**vllm_env(self.threads, self.kv_space_gib), **self.extra_env}, cwd=bu.REPO_ROOT)
         return self
