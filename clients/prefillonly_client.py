@@ -6,6 +6,8 @@
         r["chosen"]["text"], r["chosen"]["prob"]
         rs = c.score_items("User likes hiking.", ["Alpine trails", "Stock news"], [" Yes", " No"],
                            item_template="\\nPost: {item}\\nClick? Answer:")
+        c.embed(["first text", "second text"], dimensions=64)[0].embedding     # an embedding checkpoint (or a causal LM)
+        c.classify("Question: ...", responses=[" answer 1", " answer 2"])[0].probs  # a classifier / reward model
 
 CLI (JSON out, one result per line):
     python clients/prefillonly_client.py --url localhost:8000 --prompt "Is the sky blue? Answer:" --allowed " Yes" " No"
@@ -13,7 +15,9 @@ CLI (JSON out, one result per line):
     python clients/prefillonly_client.py --prompt "User likes hiking." --items "Alpine trails" "Stock news" \\
         --item-template "\\nPost: {item}\\nClick? Answer:" --allowed " Yes" " No"
 
-Results are the server's `result_json` documents (the engine's ScoreResult as a dict).
+Results of score, score_many and score_items are the server's `result_json` documents (the
+engine's ScoreResult as a dict); embed and classify decode them as the engine's EmbeddingResult and
+ClassificationResult (prefillonly.contract.wire).
 Errors raise PrefillOnlyClientError with the server's message.
 
 `user=` (the cache namespace) is also sent as the `x-prefillonly-user` header, on HTTP and as
@@ -29,11 +33,11 @@ import json
 import sys
 
 try:  # imported as clients.prefillonly_client (the repository's tests and benchmarks)
-    from .transport import (MODEL, RESULT_JSON, GrpcStream, http_generate, request_fields, result_documents,
-                            routing_headers, unary_infer)
+    from .transport import (CLASSIFY, EMBED, MODEL, RESULT_JSON, GrpcStream, decode_answers, http_generate, request_fields,
+                            result_documents, routing_headers, unary_infer)
 except ImportError:  # run as a script, or imported with clients/ on sys.path
-    from transport import (MODEL, RESULT_JSON, GrpcStream, http_generate, request_fields, result_documents,
-                           routing_headers, unary_infer)
+    from transport import (CLASSIFY, EMBED, MODEL, RESULT_JSON, GrpcStream, decode_answers, http_generate, request_fields,
+                           result_documents, routing_headers, unary_infer)
 
 
 class PrefillOnlyClientError(RuntimeError):
@@ -63,6 +67,24 @@ class PrefillOnlyClient:
         part is computed once)."""
         return self._call(request_fields(prompt, allowed, items=list(items), item_template=item_template, **options))
 
+    def embed(self, texts, dimensions=None, normalize=None, prompt_name=None, truncate=None, user=None):
+        """A text (or token ids) -> its EmbeddingResult; a list of texts or id lists -> one each, in
+        order (as Engine.embed). An option left None is the checkpoint's (its normalisation, its
+        default named prompt) or none: a prompt over the input length is refused unless `truncate`
+        ("right": cut the end, "left": the start). dimensions: the first n values, then normalised."""
+        return self._pooled(texts, dict(task=EMBED, dimensions=dimensions, normalize=normalize, prompt_name=prompt_name,
+                                        truncate=truncate, user=user))
+
+    def classify(self, prompt, responses=None, truncate=None, user=None):
+        """A sequence classifier's (or reward model's) label scores, as Engine.classify: a text (or
+        token ids) -> its ClassificationResult; a list of them -> one each; with `responses` (texts,
+        appended without special tokens, or id lists) -> one per response, each after prompt +
+        response, the prompt computed once (best-of-N). truncate: as embed (a prompt alone only)."""
+        if responses is not None:
+            return self._answers(request_fields(prompt, [], items=list(responses), task=CLASSIFY, truncate=truncate,
+                                                user=user))
+        return self._pooled(prompt, dict(task=CLASSIFY, truncate=truncate, user=user))
+
     def close(self) -> None:
         if self._grpc is not None:
             self._grpc.close()
@@ -74,17 +96,34 @@ class PrefillOnlyClient:
     def __exit__(self, *exc):
         self.close()
 
+    def _pooled(self, prompts, options: dict):
+        """One prompt (a text, token ids) -> its result; texts -> one request, a result each; id
+        lists -> one request each (a request carries one id prompt)."""
+        if not (isinstance(prompts, (list, tuple)) and prompts and not isinstance(prompts[0], int)):
+            return self._answers(request_fields(prompts, [], **options))[0]
+        if all(isinstance(p, str) for p in prompts):
+            return self._answers(request_fields(list(prompts), [], **options))
+        return [self._answers(request_fields(p, [], **options))[0] for p in prompts]
+
     # -- transports -----------------------------------------------------------------------
     def _call(self, fields: dict) -> list[dict]:
+        """The answer's result_json documents (dicts)."""
+        return result_documents(self._result_json(fields))
+
+    def _answers(self, fields: dict) -> list:
+        """The answer's results as their types (prefillonly.contract.wire: EmbeddingResult, ...)."""
+        return decode_answers(self._result_json(fields))
+
+    def _result_json(self, fields: dict):
         return {"http": self._call_http, "grpc": self._call_grpc, "infer": self._call_infer}[self.protocol](fields)
 
-    def _call_http(self, fields: dict) -> list[dict]:
+    def _call_http(self, fields: dict):
         status, reply = http_generate(self.url, fields, self.timeout_s, self.model)
         if status != 200 or RESULT_JSON not in reply:
             raise PrefillOnlyClientError(reply.get("error", f"HTTP {status}"))
-        return result_documents(reply[RESULT_JSON])
+        return reply[RESULT_JSON]
 
-    def _call_grpc(self, fields: dict) -> list[dict]:
+    def _call_grpc(self, fields: dict):
         import tritonclient.grpc as grpcclient
 
         if self._grpc is None:
@@ -96,16 +135,16 @@ class PrefillOnlyClient:
             stream.close()
         if error is not None:
             raise PrefillOnlyClientError(str(error))
-        return result_documents(result.as_numpy(RESULT_JSON))
+        return result.as_numpy(RESULT_JSON)
 
-    def _call_infer(self, fields: dict) -> list[dict]:
+    def _call_infer(self, fields: dict):
         from tritonclient.utils import InferenceServerException
 
         try:
             result = unary_infer(self.url, fields, self.timeout_s, "http", f"{self.model}_sync")
         except InferenceServerException as e:
             raise PrefillOnlyClientError(e.message()) from None
-        return result_documents(result.as_numpy(RESULT_JSON))
+        return result.as_numpy(RESULT_JSON)
 
 
 def main(argv=None) -> int:

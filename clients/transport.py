@@ -51,8 +51,10 @@ def _wire():
 
 wire = _wire()
 MODEL, SYNC_MODEL, USER_HEADER, RESULT_JSON = wire.MODEL, wire.SYNC_MODEL, wire.USER_HEADER, wire.RESULT_JSON
+EMBED, CLASSIFY = wire.EMBED, wire.CLASSIFY
 as_array, infer_inputs, request_fields, result_documents = (wire.as_array, wire.infer_inputs, wire.request_fields,
                                                             wire.result_documents)
+decode_answers = wire.decode_answers  # result_json -> the result types (EmbeddingResult, ClassificationResult, ...)
 STYLES = ("http_generate", "grpc_stream", "http_infer", "grpc_unary")  # the ways a request reaches the model
 
 

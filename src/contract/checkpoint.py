@@ -31,6 +31,20 @@ def head_of(architecture: str) -> str:
     return next(head for suffix, head in _HEAD_SUFFIXES.items() if architecture.endswith(suffix))
 
 
+def label_names(id2label: dict | None, num_labels: int) -> tuple[str, ...]:
+    """A classifier's label names in id order: id2label's (its keys ints, or their strings as
+    config.json writes them), LABEL_<i> where it names none (transformers' default)."""
+    names = id2label or {}
+    return tuple(str(names.get(i, names.get(str(i), f"LABEL_{i}"))) for i in range(num_labels))
+
+
+def class_labels(config: dict) -> tuple[str, ...]:
+    """A sequence classifier's label names from its config.json, as transformers counts them:
+    id2label's length, else num_labels, else 2."""
+    id2label = config.get("id2label") if isinstance(config.get("id2label"), dict) else None
+    return label_names(id2label, len(id2label) if id2label else int(config.get("num_labels", 2)))
+
+
 def read_config(folder: str) -> tuple[dict, str]:
     """(`folder`/config.json as a dict, its family); ConfigError when there is none,
     UnsupportedModelError when it names no supported architecture."""

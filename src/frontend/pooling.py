@@ -7,7 +7,7 @@ shapes.
 What the served checkpoint can answer is the engine's to say (embed on a sequence classifier, or
 classify on an embedding model, is its invalid_request naming why); the frontend reads only what
 it needs to name a bad field before the call (PooledModel: the head, the hidden size, the named
-prompts), from the checkpoint's files without torch.
+prompts; and for TEI's /info its pooling or labels), from the checkpoint's files without torch.
 """
 
 from __future__ import annotations
@@ -15,27 +15,35 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from ..contract.checkpoint import CLASSIFIER_HEAD, LM_HEAD, SUPPORTED_ARCHITECTURES, head_of, read_config
-from ..contract.pooling_files import read_pooling_files
+from ..contract.checkpoint import (CLASSIFIER_HEAD, LM_HEAD, NO_HEAD, SUPPORTED_ARCHITECTURES, class_labels, head_of,
+                                   read_config)
+from ..contract.pooling_files import pooling_for, read_pooling_files
 from ..contract.wire import CLASSIFY, EMBED, ClassificationResult, EmbeddingResult
 from .error_shapes import APIError
+from .presets import TemplateTokenizer
 from .upstream import TritonUpstream, UpstreamError
 
 
 @dataclass(frozen=True)
 class PooledModel:
-    """What the pooled routes know of the served checkpoint before calling it."""
+    """What the pooled routes (and TEI's /info) know of the served checkpoint before calling it."""
     head: str = LM_HEAD  # contract.checkpoint's: lm, embedding (a bare model) or classifier
     hidden_size: int | None = None  # the most embedding dimensions (None: unknown, the engine checks)
     prompts: tuple[str, ...] = ()  # its sentence-transformers named prompts
+    # an embedding checkpoint's pooling (last, mean, cls): its sentence-transformers files', or a bare
+    # model's default; None where it is not one (a causal LM without those files, a classifier)
+    pooling: str | None = None
+    labels: tuple[str, ...] = ()  # a classifier's label names, in id order
 
     @classmethod
     def read(cls, folder: str) -> "PooledModel":
         config, _ = read_config(folder)
-        arch = next(a for a in config["architectures"] if a in SUPPORTED_ARCHITECTURES)
+        head = head_of(next(a for a in config["architectures"] if a in SUPPORTED_ARCHITECTURES))
         hidden = config.get("hidden_size")
-        files = read_pooling_files(folder) if head_of(arch) != CLASSIFIER_HEAD else None
-        return cls(head_of(arch), hidden if isinstance(hidden, int) else None, tuple(files.prompts) if files else ())
+        files = read_pooling_files(folder) if head != CLASSIFIER_HEAD else None
+        embeds = files or (pooling_for(folder, head) if head == NO_HEAD else None)
+        return cls(head, hidden if isinstance(hidden, int) else None, tuple(files.prompts) if files else (),
+                   embeds.mode if embeds else None, class_labels(config) if head == CLASSIFIER_HEAD else ())
 
     @property
     def task(self) -> str:
@@ -53,12 +61,13 @@ class Fields:
 
 
 class Pooler:
-    def __init__(self, upstream: TritonUpstream, model: PooledModel, base_model: str, *, max_input_len: int,
+    def __init__(self, upstream: TritonUpstream, model: PooledModel, base_model: str, tokens: TemplateTokenizer, *,
                  max_prompts: int, max_items: int):
         self.upstream = upstream
         self.model = model
         self.base_model = base_model
-        self.max_input_len = max_input_len  # the engine's: a longer prompt is cut (truncate) or refused
+        self.tokens = tokens  # the served tokenizer: the engine's ids (a shared prompt's length, for usage)
+        self.max_input_len = tokens.max_input_len  # the engine's: a longer prompt is cut (truncate) or refused
         self.max_prompts = max_prompts  # prompts per call (each its own engine request)
         self.max_items = max_items  # responses to one prompt (one engine request): the engine's max_items
 
@@ -98,6 +107,11 @@ class Pooler:
         self.check_prompts(responses, Fields("responses"), self.max_items, "the engine's max_items per request")
         return await self._call(self.upstream.classify_items(prompt, responses, user=user, priority=priority),
                                 Fields("responses"))
+
+    def prompt_length(self, prompt) -> int:
+        """A prompt's tokens as the engine counts them: an id list's length, a text's ids with the
+        model's special tokens (the frontend's tokenizer gives the engine's ids)."""
+        return len(prompt) if not isinstance(prompt, str) else len(self.tokens.encode(prompt, first=True))
 
     async def classify_pairs(self, pairs: list[tuple[str, str]], fields: Fields, *, user: str | None = None,
                              priority: int = 0) -> list[ClassificationResult]:

@@ -97,13 +97,13 @@ def classification_routes(scoring: Scoring) -> APIRouter:
         body = await parse_body(request, ClassifyRequest)
         _float_only(body.encoding_format)
         model = pooler.model_name(body.model)
-        results = await _classify(pooler, request, body)
+        results, shared = await _classify(pooler, request, body)
         data = []
         for i, r in enumerate(results):
             values = _class_values(r, body.use_activation)
             data.append({"index": i, "label": r.label, "probs": values, "num_classes": len(values)})
         return {"id": new_id("classify"), "object": "list", "created": int(time.time()), "model": model, "data": data,
-                "usage": _usage(results)}
+                "usage": _usage(results, shared)}
 
     @router.post("/predict")
     async def tei_predict(request: Request):
@@ -180,16 +180,17 @@ def _cohere_prompt(pooler: Pooler, input_type: str | None) -> str | None:
 
 
 # -- classification ---------------------------------------------------------------------------------
-async def _classify(pooler: Pooler, request: Request, body: ClassifyRequest) -> list[ClassificationResult]:
-    """vLLM's `input` (each prompt on its own), or `prompt` with `responses` (best-of-N: one
-    multi-item request, the prompt computed once)."""
+async def _classify(pooler: Pooler, request: Request, body: ClassifyRequest) -> tuple[list[ClassificationResult], int]:
+    """(results, the tokens of the prompt they share, 0 for none): vLLM's `input` (each prompt on
+    its own), or `prompt` with `responses` (best-of-N: one multi-item request, the prompt computed
+    once)."""
     user, priority = user_of(request, body.user), -(body.priority or 0)
     if body.prompt is None and body.responses is None:
         if body.input is None:
             raise APIError("input is required (or prompt with responses: each response scored after the prompt)",
                            param="input")
         return await pooler.classify(prompts_of(body.input, "input"), truncate=_vllm_truncate(body, pooler), user=user,
-                                     priority=priority)
+                                     priority=priority), 0
     if body.input is not None:
         raise APIError("give input, or prompt with responses, not both", param="input")
     if body.prompt is None or body.responses is None:
@@ -197,7 +198,8 @@ async def _classify(pooler: Pooler, request: Request, body: ClassifyRequest) -> 
         raise APIError(f"{missing} is required: prompt and responses go together", param=missing)
     if body.truncate_prompt_tokens is not None:
         raise APIError("truncate_prompt_tokens applies to input, not to a prompt with responses", param="truncate_prompt_tokens")
-    return await pooler.classify_responses(body.prompt, body.responses, user=user, priority=priority)
+    results = await pooler.classify_responses(body.prompt, body.responses, user=user, priority=priority)
+    return results, await asyncio.to_thread(pooler.prompt_length, body.prompt)
 
 
 def _predict_inputs(inputs) -> tuple[bool, list]:
@@ -290,9 +292,10 @@ def _float_only(encoding_format: str | None) -> None:
                        "POST /v1/embeddings or /pooling)", param="encoding_format")
 
 
-def _usage(results: list) -> dict:
-    """Every result's prompt tokens (a response's: the prompt's and its own), as vLLM counts them;
-    the tokens read from the prefix cache beside."""
-    n = sum(r.prompt_tokens for r in results)
-    return {"prompt_tokens": n, "total_tokens": n,
-            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in results)}}
+def _usage(results: list, shared: int = 0) -> dict:
+    """The tokens the call consists of: every result's prompt tokens, as vLLM counts them; with a
+    `shared` prompt (best-of-N: each response's result counts it and its cached tokens, the call
+    holds it once) the prompt once and every response. The tokens read from the prefix cache beside."""
+    n = sum(r.prompt_tokens for r in results) - shared * (len(results) - 1)
+    cached = results[0].cached_tokens if shared and results else sum(r.cached_tokens for r in results)
+    return {"prompt_tokens": n, "total_tokens": n, "prompt_tokens_details": {"cached_tokens": cached}}

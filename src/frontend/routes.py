@@ -35,6 +35,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from ..contract.checkpoint import CLASSIFIER_HEAD
 from ..contract.errors import PrefillOnlyError
 from ..contract.wire import INTERNAL, ScoreResult
 from .bodies import body_as as _model, new_id as _new_id, parse_body as _parse, prompts_of, read_json as _json, user_of as _user
@@ -43,6 +44,7 @@ from .documents import document_text, returned_document
 from .echo import echo_choice
 from .error_shapes import APIError, error_response, validation_message
 from .lenient import IGNORED_HEADER
+from .pooling import PooledModel
 from .pooling_routes import classification_routes, embedding_routes
 from .schemas import CompletionRequest, PairScoreRequest, RerankRequest, ScoreRequest, TeiRerankRequest
 from .scoring import Scored, Scoring, log_odds, relevance
@@ -52,6 +54,7 @@ COHERE_PATHS = ("/v2/rerank", "/v2/embed")
 TEI_PATHS = ("/embed", "/predict")  # TEI's own paths (its rerank shares /rerank with Jina's and vLLM's)
 TRUNCATED_HEADER = "x-prefillonly-truncated-documents"  # indices of the documents cut to fit, comma-separated
 COHERE_DEFAULT_MAX_TOKENS_PER_DOC = 4096  # Cohere v2 cuts every document at 4,096 tokens by default
+TEI_POOLING = {"last": "last_token", "mean": "mean", "cls": "cls"}  # contract.pooling_files' modes, as TEI names them
 
 
 def build_app(scoring: Scoring) -> FastAPI:
@@ -130,7 +133,7 @@ def health_routes(scoring: Scoring) -> APIRouter:
     async def info():
         """TEI's /info fields that hold here (clients read max_input_length and model_id)."""
         default = next(iter(scoring.presets), scoring.base_model)
-        return {"model_id": default, "model_sha": None, "model_dtype": "auto", "model_type": {"reranker": {}},
+        return {"model_id": default, "model_sha": None, "model_dtype": "auto", "model_type": tei_model_type(scoring.pooler.model),
                 "max_input_length": scoring.tokens.max_input_len, "max_client_batch_size": scoring.limits.max_documents,
                 "max_concurrent_requests": scoring.limits.max_prompts, "auto_truncate": True,
                 "version": package_version("prefillonly"), "router": "prefillonly", "models": scoring.model_names()}
@@ -146,6 +149,17 @@ def health_routes(scoring: Scoring) -> APIRouter:
                                            for name in scoring.model_names()]}
 
     return router
+
+
+def tei_model_type(model: PooledModel) -> dict:
+    """What TEI's /info says the served checkpoint is: a classifier (its labels), an embedding
+    model (its pooling, in TEI's names), else a reranker (a causal LM: what it is used for here)."""
+    if model.head == CLASSIFIER_HEAD:
+        return {"classifier": {"id2label": {str(i): name for i, name in enumerate(model.labels)},
+                               "label2id": {name: i for i, name in enumerate(model.labels)}}}
+    if model.pooling is not None:
+        return {"embedding": {"pooling": TEI_POOLING[model.pooling]}}
+    return {"reranker": {}}
 
 
 # -- rerank ---------------------------------------------------------------------------------------

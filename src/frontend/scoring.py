@@ -54,7 +54,7 @@ class Scoring:
         self.base_model = base_model  # the raw model: completions, and score routes without a template
         self.limits = limits
         # the embedding and classification routes' work (pooling.py)
-        self.pooler = Pooler(upstream, pooled, base_model, max_input_len=tokens.max_input_len, max_prompts=limits.max_prompts,
+        self.pooler = Pooler(upstream, pooled, base_model, tokens, max_prompts=limits.max_prompts,
                              max_items=limits.max_documents)
         self._raw = ScoringPreset(name=base_model, template=QUERY + DOCUMENT, labels=(), label_ids=())
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..contract.checkpoint import CLASSIFIER_HEAD, GEMMA, SUPPORTED_ARCHITECTURES, head_of, read_config
+from ..contract.checkpoint import CLASSIFIER_HEAD, GEMMA, SUPPORTED_ARCHITECTURES, head_of, label_names, read_config
 from ..contract.errors import ConfigError, UnsupportedModelError
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -240,8 +240,7 @@ def _classifier_head(config) -> dict:
     """A sequence classifier's labels (id2label in id order) and how its scores become probabilities,
     as transformers' loss reads problem_type (None: regression for one label, else single-label)."""
     n = int(config.num_labels)
-    names = getattr(config, "id2label", None) or {}
-    labels = tuple(str(names.get(i, names.get(str(i), f"LABEL_{i}"))) for i in range(n))
+    labels = label_names(getattr(config, "id2label", None), n)
     problem = getattr(config, "problem_type", None) or ("regression" if n == 1 else "single_label_classification")
     activation = {"regression": "none", "single_label_classification": "softmax", "multi_label_classification": "sigmoid"}.get(problem)
     if activation is None:

@@ -123,6 +123,7 @@ def test_health_info_and_version_for_hub_and_kubernetes_checks(stack):
     assert InferenceClient(model=stack.http_url, provider="hf-inference").health_check() is True
     status, info = _get(f"{stack.http_url}/info")
     assert status == 200 and info["max_input_length"] == 8192 and info["model_id"] == "qwen3-reranker", info
+    assert info["model_type"] == {"reranker": {}}, info  # a causal LM: what it is used for here
     status, version = _get(f"{stack.http_url}/version")
     assert status == 200 and version["version"], version
 

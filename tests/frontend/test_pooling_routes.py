@@ -5,7 +5,9 @@ with sentence-transformers files: last-token pooling, Normalize, a "query" promp
 three-label LlamaForSequenceClassification on the same tokenizer. Clients are the official SDKs
 (openai, langchain-openai, huggingface_hub, cohere) and plain HTTP; every number equals an
 in-process Engine's on the same folder and kernels. A route the checkpoint cannot answer, and bad
-input, are 400s in the API's error shape that name the field, and the server goes on serving."""
+input, are 400s in the API's error shape that name the field, and the server goes on serving. TEI's
+/info says which checkpoint it is; the Python client's embed and classify (clients/prefillonly_client.py,
+HTTP generate and gRPC streaming) run on the same two stacks."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from prefillonly.serving.host.prometheus import scrape_metrics
 from ..conftest import SAME_KERNELS, SERVING_CONFIG, make_random_model
 from ..engine.test_pooling import write_st_pooling
 from ..serving.test_faults import supervised
+from .test_envoy_frontend_routes import get
 from .test_frontend import post
 
 MAX_LEN = 512  # the checkpoints' context length: a prompt over it is cheap to send
@@ -228,16 +231,26 @@ def test_vllm_classify_equals_the_engine(classify_stack, classifier):
     assert status == 200 and close(raw["data"][0]["probs"], want[0].logits), raw
 
 
-def test_classify_best_of_n_is_one_request_with_the_prompt_computed_once(classify_stack, classifier):
+def test_classify_best_of_n_is_one_request_with_the_prompt_computed_once(classify_stack, classifier, tokenizer):
     prompt, responses = "Question: which answer is kind?\nAnswer:", [" Thank you so much!", " Go away.", " Maybe later."]
     before = scrape_metrics(classify_stack.metrics_url)
     status, out = post(f"{classify_stack.http_url}/classify", {"prompt": prompt, "responses": responses})
     after = scrape_metrics(classify_stack.metrics_url)
     assert status == 200 and len(out["data"]) == 3, out
-    for d, w in zip(out["data"], classifier.classify(prompt, responses)):
+    want = classifier.classify(prompt, responses)
+    for d, w in zip(out["data"], want):
         assert close(d["probs"], w.probs) and d["label"] == w.label
     key = next(k for k in after if k.startswith("nv_inference_request_success") and 'model="prefillonly"' in k)
     assert after[key] - before.get(key, 0) == 1
+    # usage: the tokens the call holds, the shared prompt once and every response (each result's
+    # prompt_tokens counts prompt + response)
+    shared, own = tokenizer(prompt)["input_ids"], [tokenizer(r, add_special_tokens=False)["input_ids"] for r in responses]
+    usage = out["usage"]
+    assert usage["prompt_tokens"] == usage["total_tokens"] == len(shared) + sum(map(len, own)), usage
+    assert usage["prompt_tokens"] == sum(w.prompt_tokens for w in want) - 2 * len(shared)
+    assert usage["prompt_tokens_details"]["cached_tokens"] <= len(shared), usage
+    status, out = post(f"{classify_stack.http_url}/classify", {"prompt": shared, "responses": own})  # token ids
+    assert status == 200 and out["usage"]["prompt_tokens"] == len(shared) + sum(map(len, own)), out
     status, out = post(f"{classify_stack.http_url}/classify", {"prompt": prompt})
     assert status == 400 and out["error"]["param"] == "responses", out
 
@@ -295,3 +308,52 @@ def test_the_liveness_probe_and_triton_generate_reach_a_classifiers_worker(class
                        {"text_input": TEXTS[0], "task": "classify"})
     assert status == 200, out
     assert close(np.asarray(out["class_probs"]).reshape(-1), classifier.classify(TEXTS[0]).probs), out
+
+
+# -- TEI's /info and the Python client on both checkpoints --------------------------------------------
+def test_tei_info_says_which_checkpoint_is_served(embed_stack, classify_stack):
+    """TEI's model_type: an embedding model's pooling (in TEI's names), a classifier's labels (a
+    causal LM is a reranker here: tests/frontend/test_drop_in_clients.py)."""
+    status, raw, _ = get(f"{embed_stack.http_url}/info")
+    assert status == 200 and json.loads(raw)["model_type"] == {"embedding": {"pooling": "last_token"}}, raw
+    status, raw, _ = get(f"{classify_stack.http_url}/info")
+    assert status == 200 and json.loads(raw)["model_type"] == {"classifier": {
+        "id2label": {str(i): name for i, name in LABELS.items()}, "label2id": {name: i for i, name in LABELS.items()}}}, raw
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_client_library_embeds(embed_stack, embedder, tokenizer, protocol):
+    from clients.prefillonly_client import PrefillOnlyClient, PrefillOnlyClientError
+    from prefillonly.contract.wire import EmbeddingResult
+
+    with PrefillOnlyClient(embed_stack.http_url if protocol == "http" else embed_stack.grpc_url, protocol) as c:
+        got, want = c.embed(TEXTS, prompt_name="query", user="u1"), embedder.embed(TEXTS, prompt_name="query")
+        assert all(isinstance(g, EmbeddingResult) and close(g.embedding, w.embedding) for g, w in zip(got, want))
+        assert [g.prompt_tokens for g in got] == [w.prompt_tokens for w in want] and len(got) == len(TEXTS)
+        ids = [tokenizer(t)["input_ids"] for t in TEXTS[:2]]
+        one = c.embed(ids[0], dimensions=16, normalize=False)  # one prompt: one result
+        assert close(one.embedding, embedder.embed(TEXTS[0], dimensions=16, normalize=False).embedding, 1e-4)
+        by_ids = c.embed(ids)  # id lists: one request each
+        assert len(by_ids) == 2 and all(close(g.embedding, w.embedding) for g, w in zip(by_ids, embedder.embed(TEXTS[:2])))
+        cut = c.embed(LONG, truncate="left")
+        assert cut.truncated_tokens > 0 and close(cut.embedding, embedder.embed(LONG, truncate="left").embedding, 1e-4)
+        with pytest.raises(PrefillOnlyClientError, match="prompt_too_long"):
+            c.embed(LONG)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_client_library_classifies(classify_stack, classifier, protocol):
+    from clients.prefillonly_client import PrefillOnlyClient, PrefillOnlyClientError
+    from prefillonly.contract.wire import ClassificationResult
+
+    prompt, responses = "Question: which answer is kind?\nAnswer:", [" Thank you so much!", " Go away."]
+    with PrefillOnlyClient(classify_stack.http_url if protocol == "http" else classify_stack.grpc_url, protocol) as c:
+        one, want = c.classify(TEXTS[0]), classifier.classify(TEXTS[0])
+        assert isinstance(one, ClassificationResult) and one.label == want.label and one.labels == list(LABELS.values())
+        assert close(one.probs, want.probs) and close(one.logits, want.logits, 1e-4)
+        assert all(close(g.probs, w.probs) for g, w in zip(c.classify(TEXTS[:3], user="u1"), classifier.classify(TEXTS[:3])))
+        best = c.classify(prompt, responses)  # one multi-item request: one result per response
+        assert len(best) == 2 and all(close(g.probs, w.probs) and g.prompt_tokens == w.prompt_tokens
+                                      for g, w in zip(best, classifier.classify(prompt, responses)))
+        with pytest.raises(PrefillOnlyClientError, match="LlamaForSequenceClassification"):
+            c.embed(TEXTS[0])  # the engine's refusal: a classifier does not embed

@@ -296,6 +296,7 @@ def test_forwarder_answers_each_code_with_the_engine_models_status(monkeypatch):
         assert forwarder.status_of(message) == status, message
 
 
+# the client's embed and classify: tests/frontend/test_pooling_routes.py, on its embedding and classifier stacks
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_client_library(server, engine, protocol):
     from clients.prefillonly_client import PrefillOnlyClient, PrefillOnlyClientError
