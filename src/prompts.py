@@ -33,10 +33,12 @@ class PromptEncoder:
         twin.limits = None
         return twin
 
-    def encode_prompt(self, prompt, apply_chat_template: bool = False, what: str = "prompt", add_special_tokens: bool = True) -> list[int]:
+    def encode_prompt(self, prompt, apply_chat_template: bool = False, what: str = "prompt", add_special_tokens: bool = True,
+                      text_prefix: str = "") -> list[int]:
         """Token ids of a text/bytes/ids prompt. Items of a multi-item request are encoded with
         add_special_tokens=False (no BOS in the middle of a sequence). A text over the byte limit
-        is refused before it is decoded or tokenized."""
+        is refused before it is decoded or tokenized. text_prefix: put before a (non-empty) text and
+        tokenized with it (an embedding model's named prompt); token ids are taken as they are."""
         if self.limits is not None:
             self.limits.check_text(prompt, what)
         if isinstance(prompt, (bytes, bytearray)):
@@ -45,6 +47,7 @@ class PromptEncoder:
             _check_encodable(prompt, what)
             if not prompt:
                 raise InvalidRequestError(f"{what} is empty")
+            prompt = text_prefix + prompt
             tok = self._need_tokenizer(f"a text {what}")
             if apply_chat_template:
                 if not getattr(tok, "chat_template", None):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..contract.checkpoint import (CLASSIFIER_HEAD, LM_HEAD, NO_HEAD, SUPPORTED_ARCHITECTURES, class_labels, head_of,
                                    read_config)
-from ..contract.pooling_files import pooling_for, read_pooling_files
+from ..contract.pooling_files import DEFAULT_POOLING, read_pooling_files
 from ..contract.wire import CLASSIFY, EMBED, ClassificationResult, EmbeddingResult
 from .error_shapes import APIError
 from .presets import TemplateTokenizer
@@ -41,7 +41,7 @@ class PooledModel:
         head = head_of(next(a for a in config["architectures"] if a in SUPPORTED_ARCHITECTURES))
         hidden = config.get("hidden_size")
         files = read_pooling_files(folder) if head != CLASSIFIER_HEAD else None
-        embeds = files or (pooling_for(folder, head) if head == NO_HEAD else None)
+        embeds = files or (DEFAULT_POOLING if head == NO_HEAD else None)  # a bare model pools by default
         return cls(head, hidden if isinstance(hidden, int) else None, tuple(files.prompts) if files else (),
                    embeds.mode if embeds else None, class_labels(config) if head == CLASSIFIER_HEAD else ())
 
@@ -124,11 +124,7 @@ class Pooler:
         parts = await asyncio.gather(*(self._call(self.upstream.classify_items(first, [pairs[i][1] for i in where],
                                                                                user=user, priority=priority), fields)
                                        for first, where in groups.items()))
-        results: list = [None] * len(pairs)
-        for where, part in zip(groups.values(), parts):
-            for i, r in zip(where, part):
-                results[i] = r
-        return results
+        return in_input_order(list(groups.values()), parts, len(pairs))
 
     def check_prompts(self, prompts: list, fields: Fields, most: int | None = None,
                       bound: str = "the frontend's --max-prompts-per-call") -> None:
@@ -154,3 +150,13 @@ class Pooler:
             if e.code == "prompt_too_long":
                 error.param = fields.input
             raise error from None
+
+
+def in_input_order(positions: list[list[int]], parts: list[list], n: int) -> list:
+    """The results of calls made on groups of a call's n inputs (`positions`: each group's input
+    indices; `parts`: each group's results, in the same order) back in input order."""
+    results: list = [None] * n
+    for where, part in zip(positions, parts):
+        for i, r in zip(where, part):
+            results[i] = r
+    return results

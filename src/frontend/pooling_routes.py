@@ -26,7 +26,7 @@ from fastapi import APIRouter, Request
 from ..contract.wire import CLASSIFY, EMBED, ClassificationResult
 from .bodies import new_id, parse_body, prompts_of, user_of
 from .error_shapes import APIError
-from .pooling import Fields, Pooler
+from .pooling import Fields, Pooler, in_input_order
 from .scoring import Scoring
 from .schemas import ClassifyRequest, CohereEmbedRequest, EmbeddingRequest, PoolingRequest, TeiEmbedRequest, TeiPredictRequest
 
@@ -227,11 +227,7 @@ async def _predict(pooler: Pooler, inputs: list, truncate: str | None, user: str
     parts = await asyncio.gather(
         pooler.classify([inputs[i] for i in singles], TEI_FIELDS, truncate=truncate, user=user) if singles else _none(),
         pooler.classify_pairs([inputs[i] for i in pairs], TEI_FIELDS, user=user) if pairs else _none())
-    results: list = [None] * len(inputs)
-    for where, part in zip((singles, pairs), parts):
-        for i, r in zip(where, part):
-            results[i] = r
-    return results
+    return in_input_order([singles, pairs], parts, len(inputs))
 
 
 async def _none() -> list:

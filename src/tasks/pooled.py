@@ -121,10 +121,7 @@ def pooled_prompt(ctx: SubmitContext, prompt, prefix_text: str | None, truncate)
     max input length (leading and trailing special tokens kept, as a tokenizer's truncation keeps
     them); without it a prompt over the length is refused."""
     side = check_truncate(truncate)
-    if prefix_text and isinstance(prompt, (str, bytes, bytearray)):
-        text = prompt.decode("utf-8", "strict") if isinstance(prompt, (bytes, bytearray)) else prompt
-        prompt = prefix_text + text if text else text  # an empty text stays empty: refused as empty
-    ids = ctx.encoder.encode_prompt(prompt, what="input")
+    ids = ctx.encoder.encode_prompt(prompt, what="input", text_prefix=prefix_text or "")
     if side is None or len(ids) <= ctx.max_input_len:
         check_length(len(ids), ctx.max_input_len)
         return ids, 0

@@ -270,3 +270,5 @@ def test_bad_embedding_inputs_are_refused(text_embedder):
         engine.embed("")
     with pytest.raises(InvalidRequestError, match="prompt_name applies to text input"):
         engine.embed([5, 6, 7], prompt_name="query")
+    with pytest.raises(InvalidRequestError, match="input is not valid UTF-8: byte 0xff"):  # decoded before the prompt goes before it
+        engine.embed(b"\xff\xfe", prompt_name="query")

@@ -56,6 +56,7 @@ from ...contract.errors import EngineBusyError, InvalidRequestError, PrefillOnly
 from ...contract.limits import RequestLimits
 from ...contract.wire import CANCELLED, INPUTS, INTERNAL, LIVENESS_USER, SCORE, triton_status
 from ... import tasks
+from ...tasks.pooled import check_flag
 
 
 def error_reply(error: BaseException) -> tuple[str, str]:
@@ -275,10 +276,7 @@ def _scalar(a, name: str):
 
 
 def _scalar_bool(a, name: str) -> bool:
-    value = _scalar(a, name)
-    if not isinstance(value, (bool, np.bool_)):
-        raise InvalidRequestError(f"{name} must be true or false (BOOL), got {value!r}")
-    return bool(value)
+    return check_flag(_scalar(a, name), name)
 
 
 def _scalar_int(a, name: str) -> int:
