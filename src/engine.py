@@ -47,7 +47,8 @@ from .contract.limits import RequestLimits, derived_max_prompt_bytes, max_token_
 from .worker.memory import ActivationBudget, available_memory_bytes
 from .model.spec import ModelSpec
 from .prompts import PromptEncoder
-from .request import Request, check_cache_prefix_len, check_deadline, check_namespace, check_priority
+from .request import (Request, check_cache_prefix_len, check_deadline, check_namespace, check_priority, check_tenant,
+                      tenant_namespace)
 from . import tasks
 from .contract.wire import ClassificationResult, ContinuationScore, EmbeddingResult, PromptLogprobs, ScoreResult
 from .worker.runner import PrefillRunner
@@ -141,25 +142,29 @@ class Engine:
 
     # -- public API -------------------------------------------------------------------
     def submit_task(self, kind: str, prompt, *, cache_prefix_len: int | None = None, cache_namespace: str | None = None,
-                    user: str | None = None, priority: int = 0, deadline_s: float | None = None,
-                    limits_checked: bool = False, **arguments) -> Future:
+                    user: str | None = None, tenant: str | None = None, priority: int = 0,
+                    deadline_s: float | None = None, limits_checked: bool = False, **arguments) -> Future:
         """Queue one request of the registered kind `kind` (tasks/: "score", "items",
         "loglikelihood", "prompt_logprobs", or one registered since); the Future gets its answer.
 
         The kind checks and tokenizes `prompt` and its own `arguments`; the options every kind
         shares are checked here: cache_prefix_len keeps at most this many leading tokens in the
         prefix cache (default the whole prompt); cache_namespace: cache hits never cross
-        namespaces (tenant isolation), `user` is the namespace when none is given; priority:
-        higher runs first; deadline_s: seconds from now after which the request fails with
-        DeadlineExceededError instead of starting. limits_checked: the caller already checked the
-        request against this engine's `limits` (its Triton model does), so the sizes are not
-        checked again. Bad input raises here, in the caller's thread; the Future never sees it."""
+        namespaces, `user` is the namespace when none is given; tenant: the team the request is
+        for (1-64 characters of [A-Za-z0-9._-], set by a server from the caller's API key, not by
+        the client): its namespaces are its own (cache hits never cross tenants, whatever
+        cache_namespace or user says) and the scheduler shares turns between the tenants waiting,
+        so one tenant's burst does not queue the others behind it; priority: higher runs first;
+        deadline_s: seconds from now after which the request fails with DeadlineExceededError
+        instead of starting. limits_checked: the caller already checked the request against this
+        engine's `limits` (its Triton model does), so the sizes are not checked again. Bad input raises here, in the caller's thread; the Future never sees it."""
         kind_of = tasks.kind_named(kind)
         check_head(kind_of, self.spec)
         request = kind_of.build(self._submit_contexts[limits_checked], prompt, **arguments)
         # the keep boundary in whole blocks, converted once: everything below counts it in blocks
         request.kept_blocks = check_cache_prefix_len(cache_prefix_len, request.cache_tokens) // self.config.cache_block_size
-        request.namespace = check_namespace(cache_namespace, user)
+        request.tenant = check_tenant(tenant)
+        request.namespace = tenant_namespace(request.tenant, check_namespace(cache_namespace, user))
         return self._enqueue(request, priority, deadline_s)
 
     def submit(self, prompt, allowed_tokens, *, top_k: int = 0, apply_chat_template: bool = False,
@@ -169,7 +174,7 @@ class Engine:
         prompt: text, UTF-8 bytes, or a sequence of token ids. allowed_tokens: strings (each
         exactly one token, e.g. " Yes") and/or token ids. top_k: also return the k most likely
         tokens of the full vocabulary. options: cache_prefix_len (e.g. the shared user profile),
-        cache_namespace, user, priority, deadline_s (submit_task).
+        cache_namespace, user, tenant, priority, deadline_s (submit_task).
         """
         return self.submit_task("score", prompt, allowed=allowed_tokens, top_k=top_k,
                                 apply_chat_template=apply_chat_template, **options)
@@ -213,7 +218,7 @@ class Engine:
         and each option's whole answer scored; permutations: score each choice and score question
         under up to this many option orders, a set closed under reversal (decisions.render.orders), and average (order debiasing). The Future gets a
         DecisionResult: per question its options' probabilities (summarize() gives the winner, the
-        expected level and the confidence). options: cache_namespace, user, priority, deadline_s."""
+        expected level and the confidence). options: cache_namespace, user, tenant, priority, deadline_s."""
         from .contract.decisions import DecisionCall, Message
 
         messages = (Message("user", input),) if isinstance(input, str) else tuple(input)
@@ -228,7 +233,7 @@ class Engine:
         checkpoint's); prompt_name: one of the checkpoint's named prompts put before a text (default:
         its default prompt, if it names one); truncate: "right" or "left" cuts a prompt over the max
         input length from that side (default: refused). A cached prefix pools from the cache's hidden
-        states. options: cache_prefix_len, cache_namespace, user, priority, deadline_s."""
+        states. options: cache_prefix_len, cache_namespace, user, tenant, priority, deadline_s."""
         return self.submit_task("embed", prompt, dimensions=dimensions, normalize=normalize, prompt_name=prompt_name,
                                 truncate=truncate, **options)
 

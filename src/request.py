@@ -19,9 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .contract.errors import InvalidRequestError, PromptTooLongError
+from .contract.tenants import tenant_name_problem
 
 ITEM_PLACEHOLDER = "{item}"
 MAX_SPAN_TOP_K = 20  # top tokens per position of a logprob span (OpenAI's legacy `logprobs` allows 5, vLLM 20)
+# marks a tenant's cache namespace; refused in a client's cache_namespace and user, so no client
+# namespace can take a tenant's form
+TENANT_MARK = "\x1f"
 
 
 class RequestFuture(Future):
@@ -54,6 +58,7 @@ class Request:
     pool: str | None = None
     task_state: Any = None  # what the kind keeps from build for its answer (decisions: the call, its rendering)
     namespace: str | None = None  # cache hits never cross namespaces
+    tenant: str | None = None  # the team it came for: its own cache namespace, its fair share of the scheduler
     priority: int = 0  # higher runs first
     deadline: float | None = None  # scheduler clock time after which it must not start
     block_hashes: list[bytes] = field(default_factory=list)  # the prompt's prefix-cache keys (set at enqueue)
@@ -144,7 +149,30 @@ def check_namespace(namespace, user) -> str | None:
     for name, value in (("cache_namespace", namespace), ("user", user)):
         if value is not None and not isinstance(value, str):
             raise InvalidRequestError(f"{name} must be a string, got {type(value).__name__}")
+        if value is not None and TENANT_MARK in value:
+            raise InvalidRequestError(f"{name} must not contain the character U+001F")
     return namespace if namespace is not None else user
+
+
+def check_tenant(tenant) -> str | None:
+    """A tenant's name (None: no tenant): 1 to 64 characters of [A-Za-z0-9._-]."""
+    if tenant is None:
+        return None
+    problem = tenant_name_problem(tenant)  # the rule the key files' tenants follow too
+    if problem:
+        raise InvalidRequestError(f"tenant: {problem:.200}")
+    return tenant
+
+
+def tenant_namespace(tenant, namespace: str | None) -> str | None:
+    """The cache namespace of a request of `tenant` whose client namespace (check_namespace) is
+    `namespace`: inside the tenant's, so cache hits never cross tenants whatever cache_namespace or
+    user a client sends (no client namespace contains TENANT_MARK, so none takes this form). With no
+    tenant, the client's namespace as it is (a tenant's cache is not the key-less one)."""
+    tenant = check_tenant(tenant)
+    if tenant is None:
+        return namespace
+    return f"{TENANT_MARK}{tenant}{TENANT_MARK}{namespace or ''}"
 
 
 def check_length(n: int, max_input_len: int) -> None:

@@ -64,3 +64,13 @@ class EngineClosedError(PrefillOnlyError):
     """The engine is shut down (or shutting down) and takes no more work."""
 
     code = "engine_closed"
+
+
+class RateLimitedError(PrefillOnlyError):
+    """Over the tenant's quota (requests in flight, or per second): retry after `retry_after_s`."""
+
+    code = "rate_limited"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

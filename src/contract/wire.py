@@ -153,11 +153,14 @@ def infer_inputs(module, fields: dict) -> list:
 # -- errors -------------------------------------------------------------------------------------
 # Every error message starts with "<code>: " (the engine's PrefillOnlyError.code, or one of these),
 # on every route: the code is what callers can rely on where Triton does not carry the status.
-ENGINE_RETRY_LATER_CODES = ("overloaded", "engine_closed", "deadline_exceeded", "engine_busy")  # the engine's "not now"
+ENGINE_RETRY_LATER_CODES = ("overloaded", "engine_closed", "deadline_exceeded", "engine_busy",
+                            "rate_limited")  # the engine's "not now" (rate_limited: the tenant's quota)
 # The `user` of a liveness probe (serving/host/probe.py): the Triton model answers it with
 # engine_busy instead of queueing it while a long step keeps making progress (Engine.progressing_step).
 LIVENESS_USER = "__prefillonly_liveness__"
 UNAVAILABLE = "unavailable"  # no engine answered: Triton restarting or unreachable, the front door's local reply
+UNAUTHENTICATED = "unauthenticated"  # the front door's local reply to a missing or wrong API key (HTTP 401)
+RATE_LIMITED = "rate_limited"  # over the tenant's quota: HTTP 429 with Retry-After on the frontend's routes
 CANCELLED, INTERNAL = "cancelled", "internal"  # the Triton model's own: the client went away, a bug
 RETRY_LATER_CODES = (*ENGINE_RETRY_LATER_CODES, UNAVAILABLE)  # may succeed later or elsewhere: back off, retry
 # Triton's status of an error answer -> (HTTP status, gRPC status) it reaches a caller with: Triton's

@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-prompts-per-call", type=int, default=DEFAULT_MAX_PROMPTS_PER_CALL,
                    help="most prompts one /v1/completions call may carry (each its own engine request; capped at the "
                         f"engine's max_waiting; default {DEFAULT_MAX_PROMPTS_PER_CALL}, lm-evaluation-harness's batch sizes)")
+    p.add_argument("--triton-http", default=None, metavar="HOST:PORT",
+                   help="Triton's HTTP port: serve its generate endpoints here too, with the caller's tenant (the serve "
+                        "command sets it when API keys are on)")
     p.add_argument("--check", action="store_true", help="load the tokenizer and presets, print them, exit")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -136,6 +139,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from .routes import build_app
 
-    uvicorn.run(build_app(scoring), host=a.host, port=a.port, log_level="warning", access_log=False,
+    uvicorn.run(build_app(scoring, a.triton_http), host=a.host, port=a.port, log_level="warning", access_log=False,
                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     return 0

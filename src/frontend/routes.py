@@ -38,6 +38,8 @@ from fastapi.responses import JSONResponse
 from ..contract.checkpoint import CLASSIFIER_HEAD
 from ..contract.errors import PrefillOnlyError
 from ..contract.wire import INTERNAL, ScoreResult
+from .generate import generate_routes
+from .tenancy import forward_identity
 from .bodies import body_as as _model, new_id as _new_id, parse_body as _parse, prompts_of, read_json as _json, user_of as _user
 from .decisions import OPENAI_FIELDS, SYSTEMONE_FIELDS, openai_answer, openai_call, systemone_answer, systemone_call, usage
 from .documents import document_text, returned_document
@@ -57,13 +59,18 @@ COHERE_DEFAULT_MAX_TOKENS_PER_DOC = 4096  # Cohere v2 cuts every document at 4,0
 TEI_POOLING = {"last": "last_token", "mean": "mean", "cls": "cls"}  # contract.pooling_files' modes, as TEI names them
 
 
-def build_app(scoring: Scoring) -> FastAPI:
+def build_app(scoring: Scoring, triton_http: str | None = None) -> FastAPI:
+    """The scoring APIs over `scoring`; with `triton_http` (API keys on), also Triton's HTTP generate
+    passed through with the caller's tenant (generate.py)."""
     app = FastAPI(title="prefillonly scoring APIs", docs_url=None, redoc_url=None)
     _handle_errors(app)
     _report_headers(app)
+    forward_identity(app)
     for routes in (health_routes, rerank_routes, cohere_routes, score_routes, completion_routes, decision_routes,
                    embedding_routes, classification_routes):
         app.include_router(routes(scoring))
+    if triton_http:
+        app.include_router(generate_routes(triton_http))
     return app
 
 

@@ -26,6 +26,8 @@ import grpc
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from .tenancy import forwarded_headers
+
 from ..contract.decisions import DecisionResult
 from ..contract.wire import (CLASSIFY, DECIDE, EMBED, INTERNAL, MODEL, PROMPT_LOGPROBS, RESULT_JSON, UNAVAILABLE,
                              ClassificationResult, EmbeddingResult, PromptLogprobs, ScoreResult, code_of, decode_answers,
@@ -150,7 +152,8 @@ class TritonUpstream:
             await done.wait()  # keep our side open until every answer is in
 
         answers: dict[str, list[ScoreResult]] = {}
-        stream = self.client.stream_infer(feed(), headers=routing_headers(user) or None)
+        # the affinity header, and the tenant and key of the call (tenancy.py) when keys are on
+        stream = self.client.stream_infer(feed(), headers={**routing_headers(user), **forwarded_headers()} or None)
         try:
             async for result, error in stream:
                 if error is not None:

@@ -5,7 +5,7 @@
     answers = scheduler.finish(plan, outcome)    # tickets committed / aborted, counters, one Answer each
 
     Schedulable    what the scheduler reads of a request (token counts, block keys, priority,
-                   deadline) and writes into it (arrival, sequence number); the engine's Request
+                   tenant, deadline) and writes into it (arrival, sequence number); the engine's Request
                    (request.py) and the simulator's records are Schedulables
     WaitingRequest the plain Schedulable (the simulator's and the tests')
     TokenSplit     (uncached, cached) tokens of one prompt against the prefix cache
@@ -52,6 +52,7 @@ class Schedulable(Protocol):
     # question); None: items only
     continuation_tokens: list[list[int]] | None
     priority: int
+    tenant: str | None  # whose request: tenants take turns within a priority class (None: one tenant of its own)
     deadline: float | None  # clock() time after which it must not start
     # written by the scheduler when it is added
     arrived: float
@@ -78,6 +79,7 @@ class WaitingRequest:
     logprob_top_k: int = 0
     item_logprobs: bool = False
     continuation_tokens: list[list[int]] | None = None
+    tenant: str | None = None
     arrived: float = 0.0
     seq: int = 0
     frozen_estimate_s: float = 0.0

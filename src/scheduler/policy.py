@@ -13,6 +13,16 @@
          kept to compare against.
 A request's `priority` (higher first) comes before the policy; the policy orders a class.
 
+Tenants (teams sharing a server; a request's `tenant`, None being one tenant of its own): within
+a priority class the tenants take turns. A request sorts by (-priority, round, cost, seq), its
+round being the turns its tenant has taken in the class (requests picked since it last had nothing
+waiting there; one joining starts level with the fewest of those waiting) plus its rank among its
+tenant's waiting requests by the policy's key (cost, seq): every round holds each waiting tenant's
+next best request, in the policy's order. Why: the policy compares requests, not teams, so one
+team's burst (200 short requests) would queue every other team's work behind all of it; with
+turns, another team's request waits about one pick per tenant waiting. With one tenant every
+round follows the key and the order is the policy's own.
+
 A step (schedule): one forward computes several requests packed together. The step is filled in
 the policy's order, within one priority class; each candidate is pinned in the prefix cache as it
 is picked (PrefixView.begin), so its real split is what the step's budgets (StepBudget: uncached
@@ -33,6 +43,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import defaultdict
 from collections.abc import Callable
 
 from ..cache.index import usable_cached_tokens
@@ -71,6 +82,9 @@ class Scheduler:
         self.counters = EngineCounters()
         self._waiting: list[Schedulable] = []
         self._seq = itertools.count()
+        # turns each (priority, tenant) with requests waiting has taken (requests picked): the rounds
+        # go on across picks, so a tenant that just ran waits for the others' turns
+        self._turns: dict[tuple[int, str | None], int] = {}
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -89,7 +103,18 @@ class Scheduler:
         req.seq = next(self._seq)
         if self.policy == "sjf":
             req.frozen_estimate_s = self.estimate(req)
+        self._join_turns(req)
         self._waiting.append(req)
+
+    def _join_turns(self, req: Schedulable) -> None:
+        """A tenant with nothing waiting in the request's class starts level with those that have
+        (the fewest turns among them): no credit for the time it was away (it would take every
+        pick until it caught up), no debt for the turns it took before."""
+        present = {(r.priority, r.tenant) for r in self._waiting}
+        self._turns = {k: n for k, n in self._turns.items() if k in present}  # forget who left
+        key = (req.priority, req.tenant)
+        if key not in self._turns:
+            self._turns[key] = min((n for (p, _), n in self._turns.items() if p == req.priority), default=0)
 
     # -- estimates ---------------------------------------------------------------------------
     def split(self, req: Schedulable, cached_tokens: int | None = None) -> TokenSplit:
@@ -135,7 +160,7 @@ class Scheduler:
         """Every waiting request in the policy's order (the next step is filled from the front)."""
         now = self.clock()
         if not (self.policy == "csjf" and self.block_size):
-            return sorted(self._waiting, key=lambda r: (-r.priority, self.cost(r, now), r.seq))
+            return self._tenant_turns({r: self.cost(r, now) for r in self._waiting})
         cached = {r: self.prefix.cached_tokens(r) for r in self._waiting}  # asked once per request per pick
         costs = {r: self.cost(r, now, cached[r]) for r in self._waiting}
         groups = group_costs(self._waiting, self.block_size, lambda r: cached[r] // self.block_size,
@@ -143,7 +168,21 @@ class Scheduler:
                              lambda t: self.credit_s(t, now))
         for leader, group_cost in groups.items():
             costs[leader] = min(costs[leader], group_cost)
-        return sorted(self._waiting, key=lambda r: (-r.priority, costs[r], r.seq))
+        return self._tenant_turns(costs)
+
+    def _tenant_turns(self, costs: dict[Schedulable, float]) -> list[Schedulable]:
+        """The waiting requests by (-priority, round, cost, seq), a request's round being its
+        tenant's turns taken in its class plus its rank among the tenant's waiting requests there
+        by (cost, seq): the tenants take turns (module docstring). A dependency group never spans
+        tenants: a tenant's block keys are its own (request.tenant_namespace)."""
+        classes: dict[tuple, list[Schedulable]] = defaultdict(list)
+        for r in self._waiting:
+            classes[r.priority, r.tenant].append(r)
+        rank: dict[Schedulable, int] = {}
+        for key, members in classes.items():
+            members.sort(key=lambda r: (costs[r], r.seq))
+            rank.update((r, self._turns.get(key, 0) + i) for i, r in enumerate(members))
+        return sorted(self._waiting, key=lambda r: (-r.priority, rank[r], costs[r], r.seq))
 
     # -- the step's three calls: schedule, (the runner's execute), finish ---------------------------
     def schedule(self) -> StepPlan:
@@ -224,6 +263,8 @@ class Scheduler:
                 self._note_computed(member, computing)
         for m in plan.members:
             self._waiting.remove(m.request)
+            key = (m.request.priority, m.request.tenant)
+            self._turns[key] = self._turns.get(key, 0) + 1  # its tenant took a turn
 
     def _plan_lone_member(self, plan: StepPlan) -> None:
         """A step of one may be over the memory budget: in place, or refused (its ticket released)."""

