@@ -54,13 +54,13 @@ def serve_options(repo, **kw) -> ServeOptions:
 
 
 @contextlib.contextmanager
-def supervised(folder, model, probe_interval_s: float = 1.0):
+def supervised(folder, model, probe_interval_s: float = 1.0, models=("prefillonly",), **serve_kw):
     """The serve stack as `scripts/serve.sh` runs it (Envoy + supervised Triton and the scoring
-    frontend, its watchdog running), on the small model."""
+    frontend, its watchdog running), on the small model; `serve_kw`: more ServeOptions."""
     # the kernels fixed, so the numbers equal an in-process engine's (conftest.SAME_KERNELS)
-    repo = copy_model_repository(REPO, folder / "repo", models=("prefillonly",), model=model, dtype="float32", threads="1",
+    repo = copy_model_repository(REPO, folder / "repo", models=models, model=model, dtype="float32", threads="1",
                                  **SAME_KERNELS)
-    sup = Supervisor(serve_options(repo, probe_interval_s=probe_interval_s, probe_timeout_s=60), say=lambda m: None)
+    sup = Supervisor(serve_options(repo, probe_interval_s=probe_interval_s, probe_timeout_s=60, **serve_kw), say=lambda m: None)
     stop = threading.Event()
     try:
         assert sup.start(stop)

@@ -80,8 +80,8 @@ class TritonPythonModel:
                 pending.on_final = self.gate.admit(call.options.get("tenant"))  # or rate_limited
                 self.intake.submit(self._admit, pending, call)
             except Exception as e:  # bad input, over quota (or intake shut down): answer now, keep serving
+                self._publish_tenants()  # before the answer, like every metric: a client may scrape at once
                 _send_error(pending, e)
-                self._publish_tenants()
         return None
 
     def _publish_tenants(self):
@@ -95,8 +95,8 @@ class TritonPythonModel:
         except Exception as e:  # bad input or overload: answer now, keep serving
             self.metrics.update(self.engine.stats())
             self.gate.finished(call.options.get("tenant"), None, e, [])
-            _send_error(pending, e)
             self._publish_tenants()
+            _send_error(pending, e)
             return
         self.watcher.watch(pending)  # before the callback: it may run at once and forget it
         when_all_done(pending.futures, lambda results, error, p=pending: self._done(p, call, results, error))
@@ -118,12 +118,12 @@ class TritonPythonModel:
         self.metrics.update(self.engine.stats())
         waits = [f.started_at - pending.received_at for f in pending.futures if f.started_at is not None]
         self.gate.finished(call.options.get("tenant"), results, error, waits)
+        self._publish_tenants()
         if error is None:
             self.metrics.observe_latency(waits, time.monotonic() - pending.received_at)
             _send_results(pending, call, results)
         else:
             _send_error(pending, error)
-        self._publish_tenants()
 
     def finalize(self):
         self.watcher.close()

@@ -15,7 +15,7 @@ from pathlib import Path
 from ...contract.tenants import Quota, TenantConfigError, parse_quota
 from .envoy_config import DEFAULT_MAX_REQUEST_BYTES, ProxyError
 from .frontend_process import FrontendError
-from .probe import probe
+from .probe import probe, probe_key
 from .server_tree import TRITON_SERVER_VERSION, ServerError
 from .supervisor import ServeOptions, Supervisor
 from .triton_server import ADMIN_APIS, ADMIN_KEY_HEADER
@@ -27,7 +27,7 @@ prefillonly ready: tritonserver {version} (pid {pid}) serving {repo}{behind}
   metrics {metrics}
   {admin}
 
-Score over HTTP (decoupled model: use generate, not infer):
+{keys}Score over HTTP (decoupled model: use generate, not infer):
   curl -s {http}/v2/models/prefillonly/generate -H 'Content-Type: application/json' \\
        -d '{{"text_input": "Is the sky blue on a clear day? Answer Yes or No. Answer:", "allowed_tokens": [" Yes", " No"]}}'
 {apis}gRPC (decoupled models need the bidirectional stream):
@@ -110,7 +110,8 @@ def _serve(a: argparse.Namespace) -> int:
             behind = f" behind Envoy (bodies up to {options.max_request_bytes:,} bytes)" if options.proxy else ""
             print("\n" + USAGE_HINT.format(version=TRITON_SERVER_VERSION, pid=supervisor.server.pid, repo=options.model_repository,
                                            behind=behind, http=supervisor.http_url, grpc=supervisor.grpc_url,
-                                           metrics=supervisor.metrics_url, admin=admin, apis=apis.format(http=supervisor.http_url)
+                                           metrics=supervisor.metrics_url, admin=admin, keys=_keys_hint(supervisor),
+                                           apis=apis.format(http=supervisor.http_url)
                                            if supervisor.frontend is not None else ""), flush=True)
             supervisor.watch(stop)
     except (ServerError, ProxyError, FrontendError, TenantConfigError) as e:
@@ -122,6 +123,13 @@ def _serve(a: argparse.Namespace) -> int:
     if rc == 0 and server_rc:
         rc = 128 - server_rc if server_rc < 0 else server_rc  # killed by signal N -> 128+N, as a shell reports it
     return rc
+
+
+def _keys_hint(supervisor) -> str:
+    if supervisor.keys is None:  # the supervisor said so at start, once
+        return ""
+    return (f"API keys: {supervisor.keys.describe()}. Add -H 'Authorization: Bearer <key>' to each call below\n"
+            "(gRPC: the metadata authorization: Bearer <key>); the health checks need none. SIGHUP re-reads the key file.\n\n")
 
 
 def _env_keys() -> list[str]:
@@ -137,7 +145,7 @@ def _quota(text: str) -> Quota:
 
 
 def _probe(a: argparse.Namespace) -> int:
-    alive, what = probe(a.url.rstrip("/"), model=a.model, timeout=a.timeout)
+    alive, what = probe(a.url.rstrip("/"), model=a.model, timeout=a.timeout, api_key=a.api_key or probe_key())
     print(f"{'alive' if alive else 'NOT alive'}: {what}")
     return 0 if alive else 1
 
@@ -193,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     pb.add_argument("--url", default="http://127.0.0.1:8000", help="HTTP address of the server or the front door")
     pb.add_argument("--model", default="prefillonly")
     pb.add_argument("--timeout", type=float, default=60.0)
+    pb.add_argument("--api-key", default=None, help="the key to send when the server checks API keys (default "
+                    "$PREFILLONLY_PROBE_KEY, else the first of $PREFILLONLY_API_KEYS or of $PREFILLONLY_API_KEY_FILE)")
     a = p.parse_args(argv)
 
     if a.cmd == "serve":

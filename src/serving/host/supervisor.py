@@ -137,7 +137,8 @@ class Supervisor:
                  if self.keys else "no API keys (--api-key, --api-key-file): every client that reaches the ports is served")
 
     def reload_keys(self) -> None:
-        """Re-read the API key file (SIGHUP); a bad file keeps the keys in use and says why."""
+        """Re-read the API key file (SIGHUP, or the watchdog seeing it change); a bad file keeps the
+        keys in use and says why."""
         if self.keys is None:
             self.say("SIGHUP: no API keys to reload (the server was started without --api-key / --api-key-file)")
             return
@@ -192,7 +193,9 @@ class Supervisor:
                     self.restart(problem, stop)
 
     def check(self) -> str | None:
-        """What is wrong with the running server, or None."""
+        """What is wrong with the running server, or None. (Also: a changed key file is reloaded.)"""
+        if self.keys is not None and self.keys.changed():
+            self.reload_keys()
         rc = self.server.poll()
         if rc is not None:
             return f"tritonserver exited with status {rc}"

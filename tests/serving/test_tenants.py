@@ -1,0 +1,258 @@
+"""API keys, tenants and quotas on the real serve stack: Envoy checking keys in front of a real
+tritonserver (the prefillonly model and its prefillonly_sync forwarder) and the scoring frontend, on
+the small random-weight model, called with the real clients (tritonclient HTTP and gRPC, openai,
+cohere) and raw HTTP.
+
+- every route answers 401 to no key and to a wrong key, in its API's shape (gRPC UNAUTHENTICATED),
+  and serves a right key; the health checks stay open;
+- tenant A cannot hit, time or evict tenant B's cached prefix by sending B's user or B's tenant;
+- over a tenant's quota (in flight, per second): 429 with Retry-After (gRPC: a rate_limited error),
+  and the tenant's metrics count it;
+- the key file rewritten under load: every request answered, new keys in, removed keys out.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from clients.transport import GrpcStream, post
+from prefillonly.contract.tenants import TENANT_HEADER
+from prefillonly.contract.wire import infer_inputs
+
+from .test_faults import supervised
+
+KEYS = {"alpha": "alpha-key-0123456789", "beta": "beta-key-0123456789a", "capped": "capped-key-0123456789",
+        "metered": "metered-key-012345678"}
+QUOTAS = {"capped": "in_flight=1", "metered": "rps=1"}
+WRONG = "wrong-key-0123456789"
+LONG = [5] * 6000  # token ids: a second or more on one thread on the small model
+GENERATE = "/v2/models/prefillonly/generate"
+
+
+def write_keys(path, keys: dict) -> None:
+    path.write_text("".join(f"{key} {tenant} {QUOTAS.get(tenant, '')}\n" for tenant, key in keys.items()))
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory, small_served_model):
+    folder = tmp_path_factory.mktemp("tenants")
+    key_file = folder / "keys.txt"
+    write_keys(key_file, KEYS)
+    with supervised(folder, small_served_model, probe_interval_s=3600, models=("prefillonly", "prefillonly_sync"),
+                    api_key_file=str(key_file)) as sup:
+        sup.key_file = key_file
+        yield sup
+
+
+def bearer(tenant_or_key: str | None) -> dict:
+    if tenant_or_key is None:
+        return {}
+    return {"Authorization": f"Bearer {KEYS.get(tenant_or_key, tenant_or_key)}"}
+
+
+def call(sup, path: str, body=None, tenant: str | None = None, method: str = "POST"):
+    """(status, decoded reply, headers) of one HTTP call through the front door."""
+    if method == "GET":
+        req = urllib.request.Request(sup.http_url + path, headers=bearer(tenant))
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, json.loads(r.read() or b"null"), r.headers
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"null"), e.headers
+    status, reply, headers = post(sup.http_url + path, json.dumps(body).encode(), headers=bearer(tenant))
+    return status, json.loads(reply or b"null"), headers
+
+
+SCORE = {"text_input": "Is the sky blue? Answer:", "allowed_tokens": [" Yes", " No"]}
+INFER = {"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["Is it? Answer:"]},
+                    {"name": "allowed_tokens", "shape": [1], "datatype": "BYTES", "data": [" Yes"]}]}
+# (method, path, body, the 401 body's shape)
+ROUTES = [
+    ("POST", GENERATE, SCORE, "triton"),
+    ("POST", "/v2/models/prefillonly_sync/infer", INFER, "triton"),
+    ("GET", "/v2/models/prefillonly", None, "triton"),
+    ("POST", "/v1/completions", {"model": "prefillonly", "prompt": "Is it? Answer:", "max_tokens": 1}, "openai"),
+    ("GET", "/v1/models", None, "openai"),
+    ("POST", "/v2/rerank", {"model": "qwen3-reranker", "query": "q", "documents": ["a", "b"]}, "cohere"),
+    ("POST", "/rerank", {"query": "q", "texts": ["a", "b"]}, "tei"),
+]
+
+
+def unauthenticated(shape: str, reply) -> str:
+    """The message of a 401 reply in `shape`, checking the shape on the way."""
+    if shape == "openai":
+        assert reply["error"]["type"] == "AuthenticationError" and reply["error"]["code"] == 401, reply
+        return reply["error"]["message"]
+    if shape == "cohere":
+        return reply["message"]
+    if shape == "tei":
+        assert reply["error_type"] == "Unauthorized", reply
+    return reply["error"]
+
+
+@pytest.mark.parametrize("method, path, body, shape", ROUTES, ids=[r[1] for r in ROUTES])
+def test_every_route_needs_a_right_key(keyed, method, path, body, shape):
+    for key in (None, WRONG, "Bearer"):
+        status, reply, headers = call(keyed, path, body, key, method)
+        assert status == 401 and headers["www-authenticate"] == "Bearer", (key, status, reply)
+        assert unauthenticated(shape, reply).startswith("unauthenticated: a missing or wrong API key"), reply
+    status, reply, _ = call(keyed, path, body, "alpha", method)
+    assert status == 200, (status, reply)
+
+
+def test_health_checks_need_no_key(keyed):
+    import tritonclient.grpc as grpcclient
+
+    for path in ("/v2/health/ready", "/v2/health/live", "/health"):
+        assert call(keyed, path, method="GET")[0] == 200, path
+    client = grpcclient.InferenceServerClient(keyed.grpc_url)
+    assert client.is_server_ready() and client.is_server_live()
+    with pytest.raises(Exception, match="UNAUTHENTICATED|unauthenticated"):
+        client.get_model_metadata("prefillonly")  # anything else needs the key
+
+
+def test_grpc_stream_needs_a_key(keyed):
+    for key, ok in ((None, False), (WRONG, False), ("beta", True)):
+        stream = GrpcStream(keyed.grpc_url, headers={k.lower(): v for k, v in bearer(key).items()})
+        try:
+            result, error = stream.call(SCORE, 120)
+        finally:
+            stream.close()
+        if ok:
+            assert error is None and result.as_numpy("chosen_token") is not None
+        else:
+            assert error is not None and "UNAUTHENTICATED" in str(error.status()), error
+            assert error.message().startswith("unauthenticated:"), error.message()
+
+
+def test_the_real_clients_send_their_key(keyed):
+    import cohere
+    import openai
+
+    base = keyed.http_url
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=base + "/v1", api_key=WRONG, max_retries=0).completions.create(
+            model="prefillonly", prompt="Is it? Answer:", max_tokens=1)
+    answer = openai.OpenAI(base_url=base + "/v1", api_key=KEYS["alpha"], max_retries=0).completions.create(
+        model="prefillonly", prompt="Is it? Answer:", max_tokens=1)
+    assert answer.choices and answer.choices[0].text is not None
+    with pytest.raises(cohere.UnauthorizedError):
+        cohere.ClientV2(api_key=WRONG, base_url=base).rerank(model="qwen3-reranker", query="q", documents=["a", "b"])
+    ranked = cohere.ClientV2(api_key=KEYS["beta"], base_url=base).rerank(model="qwen3-reranker", query="q", documents=["a", "b"])
+    assert sorted(r.index for r in ranked.results) == [0, 1]
+
+
+# -- the cache is the tenant's ------------------------------------------------------------------------
+def _cached(keyed, tenant: str, user: str, prompt_ids: list[int], **extra) -> int:
+    status, reply, _ = call(keyed, GENERATE, {"input_ids": prompt_ids, "allowed_token_ids": [1], "user": user, **extra}, tenant)
+    assert status == 200, reply
+    return reply["cached_tokens"]
+
+
+def test_a_tenant_cannot_hit_or_evict_anothers_cached_prefix(keyed):
+    rng = np.random.default_rng()
+    prompt = [int(t) for t in rng.integers(10, 250, size=301)]  # fresh, odd length: nobody has it cached
+    assert _cached(keyed, "alpha", "u1", prompt) == 0
+    assert _cached(keyed, "alpha", "u1", prompt) > 0  # alpha's own cache
+    # beta sending alpha's user, then alpha's tenant in the body (generate makes it a parameter): cold
+    assert _cached(keyed, "beta", "u1", prompt) == 0
+    assert _cached(keyed, "beta", "u1", prompt[:1] + prompt[1:], parameters={TENANT_HEADER: "alpha"}) > 0  # beta's now
+    probe = [int(t) for t in rng.integers(10, 250, size=301)]
+    _cached(keyed, "alpha", "u2", probe)
+    assert _cached(keyed, "beta", "u2", probe, **{TENANT_HEADER: "alpha"}) == 0  # served as beta, not alpha
+    # over gRPC a client's own tenant parameter comes beside the front door's: refused
+    with GrpcStream(keyed.grpc_url, headers={"authorization": f"Bearer {KEYS['beta']}"}) as stream:
+        fields = {"input_ids": probe, "allowed_token_ids": [1], "user": "u2"}
+        stream.client.async_stream_infer(stream.model, infer_inputs(stream.module, fields), parameters={TENANT_HEADER: "alpha"})
+        _, error = stream.get()
+    assert error is not None and error.message().startswith("invalid_request") and "front door" in error.message(), error
+    # nothing beta did touched alpha's entries
+    assert _cached(keyed, "alpha", "u1", prompt) > 0 and _cached(keyed, "alpha", "u2", probe) > 0
+
+
+# -- quotas ----------------------------------------------------------------------------------------------
+def test_over_its_quota_a_tenant_gets_429_with_retry_after(keyed):
+    import openai
+
+    running = threading.Thread(target=lambda: call(keyed, GENERATE, {"input_ids": LONG, "allowed_token_ids": [1]}, "capped"))
+    running.start()
+    try:
+        time.sleep(0.3)  # the long request holds capped's one slot
+        status, reply, headers = call(keyed, GENERATE, SCORE, "capped")
+        assert status == 429 and reply["error"].startswith("rate_limited: tenant 'capped'"), (status, reply)
+        assert int(headers["retry-after"]) >= 1
+        status, reply, headers = call(keyed, "/v1/completions", {"model": "prefillonly", "prompt": "Hi", "max_tokens": 1}, "capped")
+        assert status == 429 and reply["error"]["type"] == "RateLimitError" and int(headers["retry-after"]) >= 1, reply
+        with pytest.raises(openai.RateLimitError):
+            openai.OpenAI(base_url=keyed.http_url + "/v1", api_key=KEYS["capped"], max_retries=0).completions.create(
+                model="prefillonly", prompt="Hi", max_tokens=1)
+        assert call(keyed, GENERATE, SCORE, "alpha")[0] == 200  # other tenants are served meanwhile
+    finally:
+        running.join()
+    assert call(keyed, GENERATE, SCORE, "capped")[0] == 200  # the slot came back with the answer
+
+
+def test_requests_per_second_quota_over_grpc_and_http(keyed):
+    time.sleep(1.1)  # a full bucket: one request
+    stream = GrpcStream(keyed.grpc_url, headers={"authorization": f"Bearer {KEYS['metered']}"})
+    try:
+        first = stream.call(SCORE, 120)
+        second = stream.call(SCORE, 120)
+    finally:
+        stream.close()
+    assert first[1] is None
+    assert second[1] is not None and second[1].message().startswith("rate_limited: tenant 'metered'"), second
+    assert "retry after" in second[1].message()
+
+
+def test_metrics_count_by_tenant(keyed):
+    from prefillonly.serving.host import prometheus
+
+    call(keyed, GENERATE, SCORE, "beta")
+    with urllib.request.urlopen(keyed.metrics_url, timeout=10) as r:
+        samples = prometheus.parse(r.read().decode())
+    by = {(s.name, s.labels.get("tenant"), s.labels.get("outcome") or s.labels.get("source")): s.value for s in samples
+          if s.name.startswith("prefillonly_tenant_")}
+    assert by[("prefillonly_tenant_requests_total", "beta", "completed")] >= 1
+    assert by[("prefillonly_tenant_prompt_tokens_total", "beta", "computed")] > 0
+    assert by[("prefillonly_tenant_started_total", "beta", None)] >= 1
+    assert ("prefillonly_tenant_in_flight", "beta", None) in by
+    assert not any(t in (None, "") for _, t, _ in by)
+
+
+# -- keys change under load ------------------------------------------------------------------------------
+def test_the_key_file_rewritten_under_load_loses_nothing(keyed):
+    answers, stop = [], threading.Event()
+
+    def load():
+        while not stop.is_set():
+            answers.append(call(keyed, GENERATE, SCORE, "beta")[0])
+
+    workers = [threading.Thread(target=load) for _ in range(3)]
+    for w in workers:
+        w.start()
+    try:
+        gamma = "gamma-key-0123456789"
+        for round_ in range(4):
+            keys = dict(KEYS, gamma=gamma) if round_ % 2 == 0 else KEYS
+            write_keys(keyed.key_file, keys)
+            keyed.reload_keys()  # what SIGHUP does (the watchdog would also see the file change)
+            deadline = time.monotonic() + 10
+            want = 200 if "gamma" in keys else 401
+            while call(keyed, GENERATE, SCORE, gamma)[0] != want:
+                assert time.monotonic() < deadline, f"round {round_}: gamma's key not {want}"
+                time.sleep(0.1)
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+        write_keys(keyed.key_file, KEYS)
+        keyed.reload_keys()
+    assert answers and set(answers) == {200}, {s: answers.count(s) for s in set(answers)}
+
