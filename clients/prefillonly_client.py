@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 try:  # imported as clients.prefillonly_client (the repository's tests and benchmarks)
@@ -45,14 +46,22 @@ class PrefillOnlyClientError(RuntimeError):
 
 
 class PrefillOnlyClient:
-    def __init__(self, url: str = "localhost:8000", protocol: str = "http", model: str = MODEL, timeout_s: float = 300):
+    def __init__(self, url: str = "localhost:8000", protocol: str = "http", model: str = MODEL, timeout_s: float = 300,
+                 api_key: str | None = None):
         """protocol: "http" (HTTP generate), "grpc" (gRPC streaming, the decoupled model) or
-        "infer" (plain HTTP /infer through the prefillonly_sync forwarder)."""
+        "infer" (plain HTTP /infer through the prefillonly_sync forwarder). api_key: sent as
+        `Authorization: Bearer <key>` (gRPC: that metadata), for a server started with API keys
+        (default $PREFILLONLY_API_KEY; none: nothing sent)."""
         if protocol not in ("http", "grpc", "infer"):
             raise ValueError(f"protocol must be 'http', 'grpc' or 'infer', got {protocol!r}")
         self.url = url if "://" in url or protocol != "http" else f"http://{url}"
         self.protocol, self.model, self.timeout_s = protocol, model, timeout_s
+        api_key = api_key if api_key is not None else os.environ.get("PREFILLONLY_API_KEY")
+        self._auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self._grpc = None
+
+    def _headers(self, fields: dict) -> dict | None:
+        return {**routing_headers(fields), **self._auth} or None
 
     def score(self, prompt, allowed, **options) -> dict:
         """One prompt (text or token ids) -> its ScoreResult dict."""
@@ -118,7 +127,7 @@ class PrefillOnlyClient:
         return {"http": self._call_http, "grpc": self._call_grpc, "infer": self._call_infer}[self.protocol](fields)
 
     def _call_http(self, fields: dict):
-        status, reply = http_generate(self.url, fields, self.timeout_s, self.model)
+        status, reply = http_generate(self.url, fields, self.timeout_s, self.model, self._auth)
         if status != 200 or RESULT_JSON not in reply:
             raise PrefillOnlyClientError(reply.get("error", f"HTTP {status}"))
         return reply[RESULT_JSON]
@@ -128,7 +137,7 @@ class PrefillOnlyClient:
 
         if self._grpc is None:
             self._grpc = grpcclient.InferenceServerClient(self.url)
-        stream = GrpcStream(self._grpc, routing_headers(fields) or None, self.model)
+        stream = GrpcStream(self._grpc, self._headers(fields), self.model)
         try:
             result, error = stream.call(fields, self.timeout_s)
         finally:
@@ -141,7 +150,7 @@ class PrefillOnlyClient:
         from tritonclient.utils import InferenceServerException
 
         try:
-            result = unary_infer(self.url, fields, self.timeout_s, "http", f"{self.model}_sync")
+            result = unary_infer(self.url, fields, self.timeout_s, "http", f"{self.model}_sync", self._auth)
         except InferenceServerException as e:
             raise PrefillOnlyClientError(e.message()) from None
         return result.as_numpy(RESULT_JSON)
@@ -151,6 +160,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Score prompts on the prefillonly Triton model; JSON lines out")
     p.add_argument("--url", default="localhost:8000")
     p.add_argument("--protocol", choices=["http", "grpc", "infer"], default="http")
+    p.add_argument("--api-key", default=None, help="the server's API key (default $PREFILLONLY_API_KEY)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", nargs="+", help="one or more text prompts")
     src.add_argument("--ids", type=int, nargs="+", help="one prompt as token ids")
@@ -165,7 +175,7 @@ def main(argv=None) -> int:
     prompt = a.ids if a.ids else (a.prompt[0] if len(a.prompt) == 1 else a.prompt)
     options = dict(top_k=a.top_k, cache_prefix_len=a.cache_prefix_len, user=a.user)
     try:
-        with PrefillOnlyClient(a.url, a.protocol) as client:
+        with PrefillOnlyClient(a.url, a.protocol, api_key=a.api_key) as client:
             allowed = a.allowed + a.allowed_ids
             if a.items:
                 results = client.score_items(prompt, a.items, allowed, item_template=a.item_template, **options)

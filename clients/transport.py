@@ -106,12 +106,15 @@ def post_json(url: str, body: dict, timeout: float = 120.0, headers: dict | None
     return status, reply if isinstance(reply, dict) else {"error": str(reply)[:300]}
 
 
-def http_generate(url: str, fields: dict, timeout: float = 120.0, model: str = MODEL) -> tuple[int, dict]:
-    """Triton's HTTP generate endpoint of `model` (url: http://host:port), with the affinity header."""
-    return post_json(f"{url}/v2/models/{model}/generate", fields, timeout, routing_headers(fields))
+def http_generate(url: str, fields: dict, timeout: float = 120.0, model: str = MODEL,
+                  headers: dict | None = None) -> tuple[int, dict]:
+    """Triton's HTTP generate endpoint of `model` (url: http://host:port), with the affinity header
+    (and `headers`: an API key's)."""
+    return post_json(f"{url}/v2/models/{model}/generate", fields, timeout, {**routing_headers(fields), **(headers or {})})
 
 
-def unary_infer(url: str, fields: dict, timeout: float, protocol: str = "http", model: str = SYNC_MODEL):
+def unary_infer(url: str, fields: dict, timeout: float, protocol: str = "http", model: str = SYNC_MODEL,
+                headers: dict | None = None):
     """One plain infer (HTTP /infer or gRPC ModelInfer; the non-decoupled forwarder unless `model`
     says otherwise) on a client of its own: tritonclient's InferResult. An error answer raises
     tritonclient's InferenceServerException with the server's message."""
@@ -126,7 +129,8 @@ def unary_infer(url: str, fields: dict, timeout: float, protocol: str = "http", 
         client = module.InferenceServerClient(url)
         options = {"client_timeout": timeout}
     try:
-        return client.infer(model, infer_inputs(module, fields), headers=routing_headers(fields) or None, **options)
+        return client.infer(model, infer_inputs(module, fields), headers={**routing_headers(fields), **(headers or {})} or None,
+                            **options)
     finally:
         client.close()
 

@@ -256,3 +256,39 @@ def test_the_key_file_rewritten_under_load_loses_nothing(keyed):
         keyed.reload_keys()
     assert answers and set(answers) == {200}, {s: answers.count(s) for s in set(answers)}
 
+
+
+def test_refusals_are_counted_by_the_front_door(keyed):
+    def unauthorized() -> int:
+        with urllib.request.urlopen(keyed.proxy.admin_url + "/stats?filter=api_key_auth.unauthorized", timeout=10) as r:
+            return sum(int(line.rsplit(":", 1)[1]) for line in r.read().decode().splitlines() if line.strip())
+
+    before = unauthorized()
+    call(keyed, GENERATE, SCORE, WRONG)
+    call(keyed, "/v1/models", None, None, "GET")
+    assert unauthorized() == before + 2
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc", "infer"])
+def test_the_python_client_sends_its_key(keyed, protocol):
+    from clients.prefillonly_client import PrefillOnlyClient, PrefillOnlyClientError
+
+    url = keyed.grpc_url if protocol == "grpc" else keyed.http_url
+    with PrefillOnlyClient(url, protocol, api_key=KEYS["alpha"]) as client:
+        assert client.score("Is it? Answer:", [" Yes", " No"])["chosen"]["text"] in (" Yes", " No")
+    with PrefillOnlyClient(url, protocol, api_key=WRONG) as client:
+        with pytest.raises(PrefillOnlyClientError, match="unauthenticated"):
+            client.score("Is it? Answer:", [" Yes"])
+
+
+def test_the_forwarder_keeps_the_tenant(keyed):
+    """HTTP /infer on prefillonly_sync: Triton passes the tenant header to the forwarder, which passes
+    it on to the engine's model with the request."""
+    from clients.prefillonly_client import PrefillOnlyClient
+
+    prompt = [int(t) for t in np.random.default_rng().integers(10, 250, size=257)]
+    assert _cached(keyed, "alpha", "u3", prompt) == 0
+    with PrefillOnlyClient(keyed.http_url, "infer", api_key=KEYS["beta"]) as beta:
+        assert beta.score(prompt, [1], user="u3")["cached_tokens"] == 0
+    with PrefillOnlyClient(keyed.http_url, "infer", api_key=KEYS["alpha"]) as alpha:
+        assert alpha.score(prompt, [1], user="u3")["cached_tokens"] > 0
