@@ -292,3 +292,47 @@ def test_the_forwarder_keeps_the_tenant(keyed):
         assert beta.score(prompt, [1], user="u3")["cached_tokens"] == 0
     with PrefillOnlyClient(keyed.http_url, "infer", api_key=KEYS["alpha"]) as alpha:
         assert alpha.score(prompt, [1], user="u3")["cached_tokens"] > 0
+
+
+def test_the_serve_command_takes_keys_and_rereads_them_on_sighup(tmp_path, small_served_model):
+    import signal
+    import subprocess
+    import sys
+
+    from prefillonly.serving.host.addresses import free_ports
+    from prefillonly.serving.host.model_settings import copy_model_repository
+    from prefillonly.serving.host.probe import ready_status
+
+    from .test_faults import REPO
+
+    repo = copy_model_repository(REPO, tmp_path / "repo", models=("prefillonly",), model=small_served_model,
+                                 dtype="float32", threads="1")
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"{KEYS['alpha']} alpha\n")
+    http, grpc, metrics = free_ports(3)
+    cmd = [sys.executable, "-m", "prefillonly.serving", "serve", "--model-repository", str(repo), "--http-port", str(http),
+           "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--api-key-file", str(keys), "--quiet"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    url = f"http://127.0.0.1:{http}"
+    try:
+        deadline = time.monotonic() + 180
+        while ready_status(url) != 200:  # the readiness path needs no key
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.3)
+        assert any("1 API key(s) of 1 tenant(s): alpha" in line for line in lines), lines
+        assert post(url + GENERATE, json.dumps(SCORE).encode())[0] == 401
+        assert post(url + GENERATE, json.dumps(SCORE).encode(), headers=bearer("alpha"))[0] == 200
+        proc.send_signal(signal.SIGHUP)  # the file unchanged: only the signal makes it re-read
+        deadline = time.monotonic() + 10
+        while not any("API keys reloaded" in line for line in lines):
+            assert time.monotonic() < deadline, "".join(lines[-20:])
+            time.sleep(0.1)
+        assert post(url + GENERATE, json.dumps(SCORE).encode(), headers=bearer("alpha"))[0] == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -62,8 +62,8 @@ def _follow(path: Path, stop: threading.Event, out=sys.stderr) -> None:
                 time.sleep(0.2)
 
 
-def _serve(a: argparse.Namespace) -> int:
-    options = ServeOptions(
+def _serve_options(a: argparse.Namespace) -> ServeOptions:
+    return ServeOptions(
         model_repository=str(Path(a.model_repository).resolve()), host=a.host, http_port=a.http_port,
         grpc_port=a.grpc_port, metrics_port=a.metrics_port, proxy=not a.no_proxy, frontend=not a.no_frontend,
         frontend_upstream=a.frontend_upstream,
@@ -74,6 +74,10 @@ def _serve(a: argparse.Namespace) -> int:
         server_dir=a.server_dir or os.environ.get("PREFILLONLY_TRITON_DIR"),
         api_keys=list(a.api_key or []) + _env_keys(), api_key_file=a.api_key_file or os.environ.get("PREFILLONLY_API_KEY_FILE"),
         tenant_quota=a.tenant_quota, extra_args=list(a.extra))
+
+
+def _serve(a: argparse.Namespace) -> int:
+    options = _serve_options(a)
     supervisor = Supervisor(options)
     stop = threading.Event()
     stop_follow = threading.Event()
