@@ -151,11 +151,14 @@ _API_KEY_TYPE = "type.googleapis.com/envoy.extensions.filters.http.api_key_auth.
 def envoy_keys_config(keys: TenantKeys) -> dict:
     """Envoy's api_key_auth filter config: the keys from the Authorization header (`Bearer KEY`, which
     the openai, cohere, langchain and huggingface_hub clients send; gRPC metadata is a header too),
-    the tenant written into TENANT_HEADER, the key itself removed before the request goes on."""
+    the tenant written into TENANT_HEADER. The key goes on: a replica behind a fleet's front door
+    checks it again, and the scoring frontend passes it on to the fleet door it calls. Behind the
+    door it reaches only 127.0.0.1 processes, and Triton copies the tenant header, not the key, into
+    what the model sees."""
     return {"@type": _API_KEY_TYPE,
             "credentials": [{"key": key, "client": tenant} for key, tenant in sorted(keys.keys.items())],
             "key_sources": [{"header": "authorization"}],
-            "forwarding": {"header": TENANT_HEADER, "hide_credentials": True}}
+            "forwarding": {"header": TENANT_HEADER, "hide_credentials": False}}
 
 
 def envoy_keys_resource(keys: TenantKeys, version: str) -> str:

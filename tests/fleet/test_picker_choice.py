@@ -105,3 +105,43 @@ def test_the_pickers_default_block_size_is_the_engines():
 
     assert DEFAULT_BLOCK_SIZE == EngineConfig.default_of("cache_block_size")
     assert build_parser().parse_args(["--dns", "replicas"]).block_size == DEFAULT_BLOCK_SIZE
+
+
+def test_with_api_keys_the_same_user_of_two_tenants_is_two_users(tmp_path):
+    # Envoy's key filter writes the tenant header before the picker sees a request: the engine
+    # keeps each tenant's cache apart, so the picker must not believe tenant b's "u" holds what
+    # tenant a's "u" sent, nor keep them on one replica as one user
+    import json
+
+    from prefillonly.serving.picker.service import Members, PickerState, cache_namespace
+
+    members = Members(tmp_path / "members.json")
+    members.by_key = {r: (f"10.0.0.{i}:8000", "") for i, r in enumerate("abc")}
+    log = tmp_path / "decisions.jsonl"
+    state = PickerState(_picker(margin=0.0), members, report_interval_s=1.0, decisions_log=log)
+    prompt = list(range(64 * BLOCK))
+    first = state.decide("u", prompt, tenant="acme")
+    state.decide("u", prompt, tenant="acme")
+    state.decide("u", prompt, tenant="globex")
+    state.decide("u", prompt)  # no keys: the key-less cache is a tenant's neither
+    # and the ext_proc service reads the tenant from the header Envoy set
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    from prefillonly.contract.tenants import TENANT_HEADER
+    from prefillonly.contract.wire import USER_HEADER
+    from prefillonly.serving.picker.service import servicer
+
+    headers = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in
+                                          ((":method", "POST"), (USER_HEADER, "u"), (TENANT_HEADER, "globex"))])
+    request = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=headers, end_of_stream=True))
+    answers = list(servicer(state)[0].Process(iter([request]), None))
+    assert len(answers) == 1 and answers[0].request_headers.response.header_mutation.set_headers
+    state.close()
+    decisions = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(d["tenant"], d["user"]) for d in decisions][-1] == ("globex", "u")
+    assert [(d["tenant"], d["cached_blocks"]) for d in decisions[:4]] == [("acme", 0), ("acme", 64), ("globex", 0), (None, 0)]
+    assert decisions[1]["destination"] == first
+    assert ("acme", "u") in state.picker._last and ("globex", "u") in state.picker._last
+    assert len({cache_namespace("acme", "u"), cache_namespace("globex", "u"), cache_namespace(None, "u"),
+                cache_namespace("acme", None), cache_namespace("acme", "")}) == 4  # no user: the tenant's shared cache

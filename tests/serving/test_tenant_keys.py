@@ -239,3 +239,16 @@ def test_front_door_without_keys_has_no_key_filter():
     config = envoy_config(FrontDoor([Upstream("127.0.0.1", 1, 2, 3)]))
     assert "prefillonly_api_keys" not in _filters(config, 0) + _filters(config, 1)
     assert "x-prefillonly-tenant" not in json.dumps(config)
+
+
+def test_with_the_picker_too_the_health_paths_stay_open(tmp_path):
+    files = KeyFiles.create(api_keys=[KEY_A])
+    try:
+        config = envoy_config(FrontDoor([Upstream("127.0.0.1", 1, 2), Upstream("127.0.0.2", 1, 2)],
+                                        api_keys_file=files.envoy_path, picker="127.0.0.1:9"))
+        validate_config(config)
+    finally:
+        files.remove()
+    opened = [r for r in _routes(config, 0) if "prefillonly_api_keys" in r.get("typed_per_filter_config", {})]
+    assert [r["match"]["path"] for r in opened] == ["/v2/health/ready", "/v2/health/live"]  # no frontend: no /health
+    assert all("envoy.filters.http.ext_proc" in r["typed_per_filter_config"] for r in opened)

@@ -439,9 +439,9 @@ def _open_routes(front: FrontDoor, grpc: bool, cluster: str, frontend_clusters: 
         return []
     out = []
     for path in OPEN_GRPC_PATHS if grpc else OPEN_HTTP_PATHS:
-        target = frontend_clusters[-1]["name"] if path == FRONTEND_HEALTH_PATH else cluster
         if path == FRONTEND_HEALTH_PATH and not frontend_clusters:
             continue
+        target = frontend_clusters[-1]["name"] if path == FRONTEND_HEALTH_PATH else cluster
         route = {"match": {"path": path}, "route": {"cluster": target, "timeout": "0s"},
                  "typed_per_filter_config": {API_KEY_FILTER: {
                      "@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "disabled": True}}}
@@ -621,7 +621,8 @@ def _picked_route() -> dict:
 
 
 def _without_picker(route: dict) -> dict:
-    return dict(route, typed_per_filter_config={_EXT_PROC: {
+    """`route` with the picker off (and whatever else it turns off per route, e.g. the key check)."""
+    return dict(route, typed_per_filter_config={**route.get("typed_per_filter_config", {}), _EXT_PROC: {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute", "disabled": True}})
 
 

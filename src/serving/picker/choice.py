@@ -125,7 +125,9 @@ class Picker:
         unless another costs less by more than stick_margin_s); the choice is recorded: its
         backlog grows by the request's predicted compute and it is taken to hold the request's
         blocks (the first `kept_blocks` of them when given: a replica keeps a request's prefix
-        blocks only, as the engine discards a suffix's K/V)."""
+        blocks only, as the engine discards a suffix's K/V). `user`: whose requests stick together,
+        any hashable (the live picker passes (tenant, user): two tenants' same name are two users);
+        `block_keys` already name the cache they read (the picker's service roots them in both)."""
         if not self.replicas:
             raise LookupError("no live replica to pick")
         predicted = {r: self.predict(r, block_keys, prompt_tokens, now) for r in self.replicas}

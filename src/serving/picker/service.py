@@ -9,6 +9,11 @@ Inference Extension's endpoint pickers set, and Envoy routes the request to that
 ORIGINAL_DST cluster reading the header: envoy_config.py, FrontDoor.picker). A request it cannot
 read (no JSON `input_ids`) is picked on its user alone (a one-token prompt to the model).
 
+Whose cache a request reads: its user's within its tenant. With API keys on, Envoy's key filter
+sets TENANT_HEADER from the key before the picker's filter runs (envoy_config._connection_manager),
+and the engine keeps each tenant's cache apart (request.tenant_namespace); so does the picker:
+the same user name of two tenants is two users, their prefixes two chains (`cache_namespace`).
+
 What the picker knows of the replicas (choice.py): the members (a members file, a JSON list of
 {"key", "destination", "metrics_url"} that LocalFleet rewrites, or on Kubernetes the replicas'
 headless Service name, reresolved; either reread every report interval, so membership follows the
@@ -16,8 +21,8 @@ fleet) and each member's Prometheus metrics, scraped every `report_interval_s`
 (`prefillonly_queued_work_seconds`, `prefillonly_jct_coefficient`); a member whose scrape fails
 `max_scrape_failures` times in a row leaves the set until it answers again.
 
-Every decision is appended to `decisions_log` (JSON lines: time, user, prompt tokens, the chosen
-key and destination, each member's predicted seconds, the report's age, the microseconds the
+Every decision is appended to `decisions_log` (JSON lines: time, user, tenant, prompt tokens, the
+chosen key and destination, each member's predicted seconds, the report's age, the microseconds the
 decision took): what the tests check the routed replica against and what the benchmark reads.
 """
 
@@ -32,6 +37,7 @@ from pathlib import Path
 
 from ...contract.block_keys import block_hashes, namespace_root
 from ...contract.jct import JctCoefficients
+from ...contract.tenants import TENANT_HEADER
 from ...contract.wire import USER_HEADER
 from ..host.prometheus import by_series, scrape
 from .choice import Picker
@@ -105,7 +111,8 @@ class PickerState:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(5)
+        if self._thread.is_alive():  # never started: nothing to wait for
+            self._thread.join(5)
         if self._log:
             self._log.close()
 
@@ -134,25 +141,34 @@ class PickerState:
             for key, queued, coef in reports:
                 self.picker.report(key, queued, coef, now)
 
-    def decide(self, user: str | None, prompt_ids: list[int] | None) -> str | None:
-        """The destination (host:port) of a request; None when no member is live."""
+    def decide(self, user: str | None, prompt_ids: list[int] | None, tenant: str | None = None) -> str | None:
+        """The destination (host:port) of a request of `user` (of `tenant`, with API keys); None
+        when no member is live."""
         started = time.perf_counter()
         tokens = len(prompt_ids) if prompt_ids else 1
-        keys = block_hashes(prompt_ids, self.picker.block_size, namespace_root(_NAMESPACE_MODEL, user)) if prompt_ids else []
+        root = namespace_root(_NAMESPACE_MODEL, cache_namespace(tenant, user))
+        keys = block_hashes(prompt_ids, self.picker.block_size, root) if prompt_ids else []
         now = time.monotonic()
         with self.lock:
             if not self.picker.replicas:
                 return None
-            choice = self.picker.pick(user, keys, tokens, now)
+            choice = self.picker.pick(None if user is None else (tenant, user), keys, tokens, now)
             view = self.picker.replicas[choice.replica]
             age = None if view.reported_at is None else now - view.reported_at
             destination = self.members.by_key[choice.replica][0]
             if self._log:
-                self._log.write(json.dumps({"t": time.time(), "user": user, "prompt_tokens": tokens, "key": choice.replica,
+                self._log.write(json.dumps({"t": time.time(), "user": user, "tenant": tenant, "prompt_tokens": tokens,
+                                            "key": choice.replica,
                                             "destination": destination, "cached_blocks": choice.cached_blocks,
                                             "predicted_s": choice.predicted_s, "report_age_s": age,
                                             "decide_us": (time.perf_counter() - started) * 1e6}) + "\n")
         return destination
+
+
+def cache_namespace(tenant: str | None, user: str | None) -> str | None:
+    """The picker's name for the cache a request reads: its user's, inside its tenant's when it has
+    one (a NUL between them, which no header value holds, so no two pairs share a name)."""
+    return user if tenant is None else f"{tenant}\0{user or ''}"
 
 
 def prompt_ids_of(body: bytes) -> list[int] | None:
@@ -187,7 +203,8 @@ def servicer(state: PickerState):
         recomputed), or nothing changed (Envoy's own routing) for what the picker does not pick."""
         if headers.get(":method") != "POST":
             return pb.CommonResponse()
-        destination = state.decide(headers.get(USER_HEADER) or None, prompt_ids_of(body) if body else None)
+        destination = state.decide(headers.get(USER_HEADER) or None, prompt_ids_of(body) if body else None,
+                                   tenant=headers.get(TENANT_HEADER) or None)
         if destination is None:
             return pb.CommonResponse()
         overwrite = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
