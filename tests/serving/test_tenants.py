@@ -211,19 +211,27 @@ def test_requests_per_second_quota_over_grpc_and_http(keyed):
     assert "retry after" in second[1].message()
 
 
-def test_metrics_count_by_tenant(keyed):
+def _tenant_samples(keyed) -> dict:
     from prefillonly.serving.host import prometheus
 
-    call(keyed, GENERATE, SCORE, "beta")
     with urllib.request.urlopen(keyed.metrics_url, timeout=10) as r:
         samples = prometheus.parse(r.read().decode())
-    by = {(s.name, s.labels.get("tenant"), s.labels.get("outcome") or s.labels.get("source")): s.value for s in samples
-          if s.name.startswith("prefillonly_tenant_")}
-    assert by[("prefillonly_tenant_requests_total", "beta", "completed")] >= 1
-    assert by[("prefillonly_tenant_prompt_tokens_total", "beta", "computed")] > 0
-    assert by[("prefillonly_tenant_started_total", "beta", None)] >= 1
-    assert ("prefillonly_tenant_in_flight", "beta", None) in by
-    assert not any(t in (None, "") for _, t, _ in by)
+    return {(s.name, s.labels.get("tenant"), s.labels.get("outcome") or s.labels.get("source")): s.value for s in samples
+            if s.name.startswith("prefillonly_tenant_")}
+
+
+def test_metrics_count_by_tenant_also_through_the_scoring_apis(keyed):
+    call(keyed, GENERATE, SCORE, "beta")
+    before = _tenant_samples(keyed)
+    assert before[("prefillonly_tenant_requests_total", "beta", "completed")] >= 1
+    assert before[("prefillonly_tenant_prompt_tokens_total", "beta", "computed")] > 0
+    assert ("prefillonly_tenant_in_flight", "beta", None) in before
+    assert not any(t in (None, "") for _, t, _ in before)
+    # the frontend's own engine calls carry the caller's tenant (one rerank: one engine request)
+    assert call(keyed, "/v1/rerank", {"model": "qwen3-reranker", "query": "q", "documents": ["a", "b"]}, "beta")[0] == 200
+    after = _tenant_samples(keyed)
+    assert after[("prefillonly_tenant_started_total", "beta", None)] == before[("prefillonly_tenant_started_total", "beta", None)] + 1
+    assert after[("prefillonly_tenant_queue_seconds_total", "beta", None)] >= before[("prefillonly_tenant_queue_seconds_total", "beta", None)]
 
 
 # -- keys change under load ------------------------------------------------------------------------------
