@@ -16,6 +16,7 @@ import json
 import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from ..contract.tenants import TENANT_HEADER, retry_after_of
 from ..contract.wire import RATE_LIMITED, UNAVAILABLE, code_of
@@ -87,7 +88,7 @@ def generate_routes(triton_http: str) -> APIRouter:
             content = await upstream.aread()
             await upstream.aclose()
             return _answer(upstream, content)
-        return StreamingResponse(upstream.aiter_raw(), status_code=200, background=_closing(upstream),
+        return StreamingResponse(upstream.aiter_raw(), status_code=200, background=BackgroundTask(upstream.aclose),
                                  headers={h: upstream.headers[h] for h in _PASSED_RESPONSE_HEADERS if h in upstream.headers})
 
     for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
@@ -95,8 +96,3 @@ def generate_routes(triton_http: str) -> APIRouter:
         router.add_api_route(prefix + "/generate_stream", generate_stream, methods=["POST"])
     return router
 
-
-def _closing(upstream: httpx.Response):
-    from starlette.background import BackgroundTask
-
-    return BackgroundTask(upstream.aclose)

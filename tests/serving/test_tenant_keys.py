@@ -252,3 +252,13 @@ def test_with_the_picker_too_the_health_paths_stay_open(tmp_path):
     opened = [r for r in _routes(config, 0) if "prefillonly_api_keys" in r.get("typed_per_filter_config", {})]
     assert [r["match"]["path"] for r in opened] == ["/v2/health/ready", "/v2/health/live"]  # no frontend: no /health
     assert all("envoy.filters.http.ext_proc" in r["typed_per_filter_config"] for r in opened)
+
+
+@pytest.mark.parametrize("options, problem", [({"proxy": False}, "--no-proxy"), ({"frontend": False}, "--no-frontend")])
+def test_keys_need_the_front_door_and_the_frontend(tmp_path, options, problem):
+    from prefillonly.serving.host.supervisor import ServeOptions, Supervisor
+
+    sup = Supervisor(ServeOptions(model_repository=str(tmp_path), api_keys=[KEY_A], **options), say=lambda m: None)
+    with pytest.raises(TenantConfigError, match=problem):
+        sup.start()
+    assert sup.server is None and sup.keys is None  # refused before anything started

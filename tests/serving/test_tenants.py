@@ -344,3 +344,14 @@ def test_the_serve_command_takes_keys_and_rereads_them_on_sighup(tmp_path, small
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_behind_the_front_door_a_request_without_its_tenant_is_refused(keyed):
+    """Triton's own port (127.0.0.1) is reached only by the serve command's parts; a request there
+    without the tenant Envoy sets is refused, but for the supervisor's liveness probe."""
+    from prefillonly.serving.host.probe import probe
+
+    status, reply, _ = post(keyed.server.http_url + GENERATE, json.dumps(SCORE).encode())
+    assert status == 400 and b"came without its tenant" in reply, reply
+    alive, what = probe(keyed.server.http_url, timeout=60)
+    assert alive, what

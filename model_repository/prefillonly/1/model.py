@@ -30,7 +30,7 @@ from prefillonly.serving.model.metrics import EngineMetrics
 from prefillonly.serving.model.protocol import ScoreCall, error_reply, make_answerable, parse_request, results_to_outputs, submit_call
 from prefillonly.serving.model.tenant_gate import TenantGate
 from prefillonly.serving.model.tenant_metrics import TenantMetrics
-from prefillonly.contract.wire import INPUTS
+from prefillonly.contract.wire import INPUTS, LIVENESS_USER
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 WARMUP_TOKENS = 16
@@ -141,6 +141,9 @@ def _parse(request, limits, tenants: bool):
     call = parse_request(tensors, limits)
     if tenant is not None:  # the cache namespace and the fair share are the tenant's (Engine.submit_task)
         call.options["tenant"] = tenant
+    elif tenants and call.options.get("user") != LIVENESS_USER:  # the supervisor's probe comes from inside
+        raise InvalidRequestError("this server has API keys and the request came without its tenant: it did not come "
+                                  "through the front door (Envoy) that sets it")
     timeout_us = request.timeout()
     if timeout_us:
         call.options["deadline_s"] = timeout_us / 1e6

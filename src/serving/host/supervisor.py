@@ -132,6 +132,9 @@ class Supervisor:
         o = self.options
         if (o.api_keys or o.api_key_file) and not o.proxy:
             raise TenantConfigError("API keys are checked by the front door (Envoy): they cannot go with --no-proxy")
+        if (o.api_keys or o.api_key_file) and not o.frontend:
+            raise TenantConfigError("API keys need the scoring frontend (HTTP generate reaches the engine with its tenant "
+                                    "through it): they cannot go with --no-frontend")
         self.keys = KeyFiles.create(o.api_keys, o.api_key_file, o.tenant_quota)
         self.say(f"{self.keys.describe()}; every route but the health checks needs `Authorization: Bearer <key>`"
                  if self.keys else "no API keys (--api-key, --api-key-file): every client that reaches the ports is served")
