@@ -19,7 +19,7 @@ LAYERS = ("engine", "kernels", "cache_scheduler", "serving", "frontend", "fleet"
 FAST = {"test_request", "test_scheduler", "test_dependency_groups", "test_simulator", "test_config", "test_limits",
         "test_protocol", "test_inflight", "test_import_graph", "test_docs_match_tree", "test_envoy_hashing", "test_workloads",
         "test_host_table", "test_model_spec", "test_perf_cli", "test_frontend_presets", "test_batching", "test_prefix_cache",
-        "test_linear", "test_dtype_auto", "test_wire", "test_kernel_backend", "test_code_shape", "test_pooling_files", "test_bench_pooling", "test_tenant_keys"}
+        "test_linear", "test_dtype_auto", "test_wire", "test_kernel_backend", "test_code_shape", "test_pooling_files", "test_bench_pooling", "test_tenant_keys", "test_bench_tenants"}
 # The files that take longest (about 40 s to 2 minutes each on 2 cores, slowest first): started
 # first, so that parallel workers (scripts/test.sh) end on short files instead of one worker
 # finishing a long file alone. Then the other server and model files, then the fast tier.
