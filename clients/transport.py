@@ -165,6 +165,13 @@ class GrpcStream:
         too (the stream itself ended with it)."""
         try:
             self.send(fields)
+        except Exception as e:
+            self.broken = True
+            refusal = self._refusal()  # the stream ended before the request went out: why, if it said
+            if refusal is None:
+                raise
+            return refusal
+        try:
             result, error = self.get(timeout)
         except Exception:
             self.broken = True
@@ -172,6 +179,16 @@ class GrpcStream:
         if error is not None and error.status():
             self.broken = True
         return result, error
+
+    def _refusal(self, wait_s: float = 5.0):
+        """(None, error) of a stream that ended at its start (the front door refusing it, e.g. a
+        missing API key: UNAUTHENTICATED): tritonclient then refuses every send, and the reason
+        comes only through the callback. None when no such error arrives."""
+        try:
+            result, error = self.get(wait_s)
+        except queue.Empty:
+            return None
+        return (None, error) if error is not None else None
 
     def close(self) -> None:
         """End the stream, cancelling what is in flight if it is broken."""

@@ -272,8 +272,9 @@ def test_error_status_by_code():
 
 
 def test_forwarder_answers_each_code_with_the_engine_models_status(monkeypatch):
-    """The forwarder imports only prefillonly.contract.wire (standard library: no engine, no torch in its 8
-    stubs), no copy of the codes, and recovers from a target's message the status the target chose."""
+    """The forwarder imports only prefillonly.contract's wire and tenants (standard library: no engine, no
+    torch in its 8 stubs), no copy of the codes, and recovers from a target's message the status the
+    target chose."""
     import importlib.util
     import sys
     import types
@@ -283,7 +284,7 @@ def test_forwarder_answers_each_code_with_the_engine_models_status(monkeypatch):
 
     source = (REPO / "prefillonly_sync" / "1" / "model.py").read_text()
     imported = {n.module for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom)}
-    assert imported == {"prefillonly.contract.wire"} and "RETRY_LATER_CODES" not in source
+    assert imported == {"prefillonly.contract.wire", "prefillonly.contract.tenants"} and "RETRY_LATER_CODES" not in source
     statuses = types.SimpleNamespace(UNAVAILABLE="UNAVAILABLE", INVALID_ARG="INVALID_ARG", INTERNAL="INTERNAL",
                                      CANCELLED="CANCELLED")  # pb_utils.TritonError's, by name
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.SimpleNamespace(TritonError=statuses))
