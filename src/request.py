@@ -30,9 +30,13 @@ TENANT_MARK = "\x1f"
 
 class RequestFuture(Future):
     """The Future submit() returns. started_at: time.monotonic() when the worker started the
-    request (None while it waits), so that a server can report queue wait."""
+    request (None while it waits), so that a server can report queue wait; prompt_tokens and
+    cached_tokens: the request's own, counted once (a multi-item request's results each report
+    the shared prompt), so that a server can count tokens per tenant."""
 
     started_at: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -109,11 +113,13 @@ class Request:
         each member's span."""
         return self.item_ids is not None
 
-    def start(self) -> bool:
-        """The worker picked it: its Future runs (False: it was cancelled first)."""
+    def start(self, cached_tokens: int = 0) -> bool:
+        """The worker picked it, `cached_tokens` of it from the prefix cache: its Future runs (False:
+        it was cancelled first)."""
         if not self.future.set_running_or_notify_cancel():
             return False
         self.future.started_at = time.monotonic()
+        self.future.prompt_tokens, self.future.cached_tokens = self.prompt_tokens, cached_tokens
         return True
 
 

@@ -59,8 +59,9 @@ class Schedulable(Protocol):
     seq: int
     frozen_estimate_s: float  # SJF's estimate, taken at arrival
 
-    def start(self) -> bool:
-        """Called once when the request is picked: False if it was cancelled meanwhile (dropped)."""
+    def start(self, cached_tokens: int = 0) -> bool:
+        """Called once when the request is picked (`cached_tokens` of it from the prefix cache):
+        False if it was cancelled meanwhile (dropped)."""
 
 
 @dataclass(eq=False)
@@ -88,7 +89,7 @@ class WaitingRequest:
     def cache_tokens(self) -> int:
         return self.prompt_tokens if self.cache_prompt_tokens is None else self.cache_prompt_tokens
 
-    def start(self) -> bool:
+    def start(self, cached_tokens: int = 0) -> bool:
         return True
 
 

@@ -194,7 +194,7 @@ class Scheduler:
             self._refuse(plan, req, DeadlineExceededError("deadline passed while the request waited; it was not run"))
         self._pick(plan)
         for m in list(plan.members):
-            if not m.request.start():  # cancelled between its pick and now
+            if not m.request.start(m.split.cached):  # cancelled between its pick and now
                 self._release(plan, m)
         if len(plan.members) == 1:
             self._plan_lone_member(plan)

@@ -192,15 +192,17 @@ def test_new_quotas_are_read_when_the_file_changes(tmp_path):
 
 
 def test_answers_are_counted_per_tenant(tmp_path):
-    from prefillonly.contract.wire import ScoreResult
+    from prefillonly.request import RequestFuture
 
     gate, _, _ = gate_with(tmp_path, {})
-    gate.finished("alpha", [ScoreResult(tokens=[], chosen=None, prompt_tokens=10, cached_tokens=4),
-                            [ScoreResult(tokens=[], chosen=None, prompt_tokens=3)]], None, [0.5, 0.25])
-    gate.finished("alpha", None, RuntimeError("x"), [])
+    futures = [RequestFuture() for _ in range(3)]
+    for f, (prompt, cached) in zip(futures[:2], ((10, 4), (3, 0))):  # the third never started
+        f.started_at, f.prompt_tokens, f.cached_tokens = 1.0, prompt, cached
+    gate.finished("alpha", futures, None, [0.5, 0.25])
+    gate.finished("alpha", futures, RuntimeError("x"), [0.5])  # failed: its waits count, its tokens do not
     usage = gate.snapshot()["alpha"]
-    assert (usage.completed, usage.failed, usage.prompt_tokens, usage.cached_tokens, usage.started) == (1, 1, 13, 4, 2)
-    assert usage.queue_s == pytest.approx(0.75)
+    assert (usage.completed, usage.failed, usage.prompt_tokens, usage.cached_tokens, usage.started) == (1, 1, 13, 4, 3)
+    assert usage.queue_s == pytest.approx(1.25)
 
 
 # -- the front door's config with keys -------------------------------------------------------------------

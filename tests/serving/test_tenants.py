@@ -234,6 +234,12 @@ def test_metrics_count_by_tenant_also_through_the_scoring_apis(keyed):
     after = _tenant_samples(keyed)
     assert after[("prefillonly_tenant_started_total", "beta", None)] == before[("prefillonly_tenant_started_total", "beta", None)] + 1
     assert after[("prefillonly_tenant_queue_seconds_total", "beta", None)] >= before[("prefillonly_tenant_queue_seconds_total", "beta", None)]
+    # a multi-item request's tokens count once: its shared prompt and each item, not the prompt per item
+    tokens = lambda samples: sum(samples[("prefillonly_tenant_prompt_tokens_total", "beta", s)] for s in ("computed", "cache"))  # noqa: E731
+    before = _tenant_samples(keyed)
+    body = {"input_ids": list(range(10, 111)), "item_ids": list(range(20, 35)), "item_lengths": [5, 4, 6], "allowed_token_ids": [1]}
+    assert call(keyed, GENERATE, body, "beta")[0] == 200
+    assert tokens(_tenant_samples(keyed)) - tokens(before) == 101 + 15
 
 
 # -- keys change under load ------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ class TritonPythonModel:
             pending.futures = submit_call(self.engine, call)
         except Exception as e:  # bad input or overload: answer now, keep serving
             self.metrics.update(self.engine.stats())
-            self.gate.finished(call.options.get("tenant"), None, e, [])
+            self.gate.finished(call.options.get("tenant"), [], e, [])
             self._publish_tenants()
             _send_error(pending, e)
             return
@@ -117,7 +117,7 @@ class TritonPythonModel:
         # metrics before answering: a client may scrape them the moment it has its answer
         self.metrics.update(self.engine.stats())
         waits = [f.started_at - pending.received_at for f in pending.futures if f.started_at is not None]
-        self.gate.finished(call.options.get("tenant"), results, error, waits)
+        self.gate.finished(call.options.get("tenant"), pending.futures, error, waits)
         self._publish_tenants()
         if error is None:
             self.metrics.observe_latency(waits, time.monotonic() - pending.received_at)

@@ -110,15 +110,15 @@ class TenantGate:
         with self._lock:
             usage.in_flight -= 1
 
-    def finished(self, tenant: str | None, results, error, queue_s: list[float]) -> None:
-        """Count an answered request: its outcome, the prompt tokens its results report (computed
-        and from the cache) and the queue wait of each engine request it made."""
+    def finished(self, tenant: str | None, futures, error, queue_s: list[float]) -> None:
+        """Count an answered request: its outcome, the queue wait of each engine request it made that
+        started, and, answered, their prompt tokens (those from the cache apart; from its Futures,
+        each engine request once)."""
         if tenant is None or not self.enabled:
             return
-        prompt = cached = 0
-        for result in _flat(results) if error is None else ():
-            prompt += getattr(result, "prompt_tokens", 0) or 0
-            cached += getattr(result, "cached_tokens", 0) or 0
+        done = [f for f in futures if getattr(f, "started_at", None) is not None] if error is None else []
+        prompt = sum(f.prompt_tokens for f in done)
+        cached = sum(f.cached_tokens for f in done)
         with self._lock:
             usage = self.usage.setdefault(tenant, TenantUsage())
             if error is None:
@@ -150,10 +150,3 @@ class TenantGate:
         except (OSError, ValueError, KeyError, TypeError):
             return
 
-
-def _flat(results):
-    for r in results:
-        if isinstance(r, (list, tuple)):
-            yield from _flat(r)
-        else:
-            yield r

@@ -1,7 +1,7 @@
 """Per-tenant series on Triton's metrics endpoint (API keys on), from TenantGate's counts.
 
   prefillonly_tenant_requests_total{tenant, outcome}      completed, failed, rate_limited
-  prefillonly_tenant_prompt_tokens_total{tenant, source}  computed, cache (as the results report them)
+  prefillonly_tenant_prompt_tokens_total{tenant, source}  computed, cache (each engine request once)
   prefillonly_tenant_queue_seconds_total{tenant}          queue wait summed over the engine requests started
   prefillonly_tenant_started_total{tenant}                engine requests started (mean wait: the ratio)
   prefillonly_tenant_in_flight{tenant}                    requests admitted and not yet answered
