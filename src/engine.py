@@ -47,8 +47,8 @@ from .contract.limits import RequestLimits, derived_max_prompt_bytes, max_token_
 from .worker.memory import ActivationBudget, available_memory_bytes
 from .model.spec import ModelSpec
 from .prompts import PromptEncoder
-from .request import (Request, check_cache_prefix_len, check_deadline, check_namespace, check_priority, check_tenant,
-                      tenant_namespace)
+from .request import Request, check_cache_prefix_len, check_deadline, check_namespace, check_priority, check_tenant
+from .contract.tenants import tenant_namespace
 from . import tasks
 from .contract.wire import ClassificationResult, ContinuationScore, EmbeddingResult, PromptLogprobs, ScoreResult
 from .worker.runner import PrefillRunner

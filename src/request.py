@@ -19,13 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .contract.errors import InvalidRequestError, PromptTooLongError
-from .contract.tenants import tenant_name_problem
+from .contract.tenants import TENANT_MARK, tenant_name_problem
 
 ITEM_PLACEHOLDER = "{item}"
 MAX_SPAN_TOP_K = 20  # top tokens per position of a logprob span (OpenAI's legacy `logprobs` allows 5, vLLM 20)
-# marks a tenant's cache namespace; refused in a client's cache_namespace and user, so no client
-# namespace can take a tenant's form
-TENANT_MARK = "\x1f"
 
 
 class RequestFuture(Future):
@@ -168,17 +165,6 @@ def check_tenant(tenant) -> str | None:
     if problem:
         raise InvalidRequestError(f"tenant: {problem:.200}")
     return tenant
-
-
-def tenant_namespace(tenant, namespace: str | None) -> str | None:
-    """The cache namespace of a request of `tenant` whose client namespace (check_namespace) is
-    `namespace`: inside the tenant's, so cache hits never cross tenants whatever cache_namespace or
-    user a client sends (no client namespace contains TENANT_MARK, so none takes this form). With no
-    tenant, the client's namespace as it is (a tenant's cache is not the key-less one)."""
-    tenant = check_tenant(tenant)
-    if tenant is None:
-        return namespace
-    return f"{TENANT_MARK}{tenant}{TENANT_MARK}{namespace or ''}"
 
 
 def check_length(n: int, max_input_len: int) -> None:

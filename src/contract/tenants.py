@@ -27,6 +27,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .wire import RATE_LIMITED
+
 TENANT_HEADER = "x-prefillonly-tenant"  # set by Envoy from the key; what the engine isolates by
 DEFAULT_TENANT = "default"  # the tenant of a key given as --api-key
 TENANTS_FILE_ENV = "PREFILLONLY_TENANTS_FILE"  # the model's tenants and quotas (tenants_json)
@@ -35,6 +37,9 @@ _TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 # a key is a bearer token (RFC 6750's b64token characters): no spaces, no quotes
 _KEY = re.compile(r"[A-Za-z0-9._~+/=-]{16,256}")
 QUOTA_FIELDS = ("in_flight", "rps")
+# marks a tenant's cache namespace (tenant_namespace); the engine refuses it in a client's
+# cache_namespace and user, so no client namespace can take a tenant's form
+TENANT_MARK = "\x1f"
 
 
 class TenantConfigError(ValueError):
@@ -48,6 +53,16 @@ def tenant_name_problem(name) -> str | None:
     if not _TENANT_NAME.fullmatch(name):
         return f"tenant name {name!r} must be 1-64 characters of A-Z a-z 0-9 . _ -"
     return None
+
+
+def tenant_namespace(tenant: str | None, namespace: str | None) -> str | None:
+    """The cache namespace of a request of `tenant` (a valid name, or None) whose client namespace is
+    `namespace`: inside the tenant's, so cache hits never cross tenants whatever cache_namespace or
+    user a client sends. With no tenant, the client's namespace as it is (a tenant's cache is not
+    the key-less one). The engine and the fleet's picker both name caches by this rule."""
+    if tenant is None:
+        return namespace
+    return f"{TENANT_MARK}{tenant}{TENANT_MARK}{namespace or ''}"
 
 
 @dataclass(frozen=True)
@@ -212,8 +227,6 @@ _RETRY_AFTER = re.compile(r"retry after ([0-9]+(?:\.[0-9]+)?) s")
 def rate_limited_message(what: str, retry_after_s: float) -> str:
     """The engine's refusal of a request over its tenant's quota; HTTP routes answer it 429 with
     Retry-After read back from the text (retry_after_of)."""
-    from .wire import RATE_LIMITED
-
     return f"{RATE_LIMITED}: {what}; retry after {retry_after_s:.2f} s"
 
 

@@ -52,8 +52,12 @@ def _unreachable(e: Exception) -> JSONResponse:
                         status_code=503)
 
 
+def _passed_headers(upstream: httpx.Response) -> dict:
+    return {h: upstream.headers[h] for h in _PASSED_RESPONSE_HEADERS if h in upstream.headers}
+
+
 def _answer(upstream: httpx.Response, content: bytes) -> Response:
-    headers = {h: upstream.headers[h] for h in _PASSED_RESPONSE_HEADERS if h in upstream.headers}
+    headers = _passed_headers(upstream)
     if upstream.status_code >= 400:  # Triton's generate answers a decoupled model's errors 400, whatever their status
         try:
             message = json.loads(content).get("error", "")
@@ -89,7 +93,7 @@ def generate_routes(triton_http: str) -> APIRouter:
             await upstream.aclose()
             return _answer(upstream, content)
         return StreamingResponse(upstream.aiter_raw(), status_code=200, background=BackgroundTask(upstream.aclose),
-                                 headers={h: upstream.headers[h] for h in _PASSED_RESPONSE_HEADERS if h in upstream.headers})
+                                 headers=_passed_headers(upstream))
 
     for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
         router.add_api_route(prefix + "/generate", generate, methods=["POST"])

@@ -174,7 +174,7 @@ class Scheduler:
         """The waiting requests by (-priority, round, cost, seq), a request's round being its
         tenant's turns taken in its class plus its rank among the tenant's waiting requests there
         by (cost, seq): the tenants take turns (module docstring). A dependency group never spans
-        tenants: a tenant's block keys are its own (request.tenant_namespace)."""
+        tenants: a tenant's block keys are its own (contract.tenants.tenant_namespace)."""
         classes: dict[tuple, list[Schedulable]] = defaultdict(list)
         for r in self._waiting:
             classes[r.priority, r.tenant].append(r)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from prefillonly import InvalidRequestError
-from prefillonly.request import check_namespace, check_tenant, tenant_namespace
+from prefillonly.contract.tenants import tenant_namespace
+from prefillonly.request import check_namespace, check_tenant
 
 # a prompt of its own (the session engine's cache is shared with other tests), several blocks long
 PROMPT = "Tenant isolation check: the orchard keeps seven kinds of apple trees. " * 6 + "Is this about fruit? Answer:"

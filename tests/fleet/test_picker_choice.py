@@ -113,7 +113,8 @@ def test_with_api_keys_the_same_user_of_two_tenants_is_two_users(tmp_path):
     # tenant a's "u" sent, nor keep them on one replica as one user
     import json
 
-    from prefillonly.serving.picker.service import Members, PickerState, cache_namespace
+    from prefillonly.contract.tenants import tenant_namespace
+    from prefillonly.serving.picker.service import Members, PickerState
 
     members = Members(tmp_path / "members.json")
     members.by_key = {r: (f"10.0.0.{i}:8000", "") for i, r in enumerate("abc")}
@@ -143,5 +144,5 @@ def test_with_api_keys_the_same_user_of_two_tenants_is_two_users(tmp_path):
     assert [(d["tenant"], d["cached_blocks"]) for d in decisions[:4]] == [("acme", 0), ("acme", 64), ("globex", 0), (None, 0)]
     assert decisions[1]["destination"] == first
     assert ("acme", "u") in state.picker._last and ("globex", "u") in state.picker._last
-    assert len({cache_namespace("acme", "u"), cache_namespace("globex", "u"), cache_namespace(None, "u"),
-                cache_namespace("acme", None), cache_namespace("acme", "")}) == 4  # no user: the tenant's shared cache
+    assert len({tenant_namespace("acme", "u"), tenant_namespace("globex", "u"), tenant_namespace(None, "u"),
+                tenant_namespace("acme", None), tenant_namespace("acme", "")}) == 4  # no user: the tenant's shared cache

@@ -22,8 +22,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...contract.tenants import (TENANT_HEADER, Quota, TenantConfigError, TenantKeys, envoy_keys_resource,
-                                 load_tenant_keys, tenants_json, write_atomically)
+from ...contract.tenants import (TENANT_HEADER, Quota, TenantKeys, envoy_keys_resource, load_tenant_keys, tenants_json,
+                                 write_atomically)
 
 # tritonserver copies this header into each request's parameters, where the model reads the tenant
 TRITON_FORWARD_ARGS = (f"--grpc-header-forward-pattern={TENANT_HEADER}", f"--http-header-forward-pattern={TENANT_HEADER}")
@@ -104,5 +104,3 @@ class KeyFiles:
     def remove(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
 
-
-__all__ = ["KeyFiles", "TenantConfigError", "TRITON_FORWARD_ARGS"]

@@ -30,9 +30,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ...contract.tenants import TENANTS_FILE_ENV, Quota
+from ...contract.tenants import TENANTS_FILE_ENV, Quota, TenantConfigError
 from .addresses import free_ports
-from .api_keys import TRITON_FORWARD_ARGS, KeyFiles, TenantConfigError
+from .api_keys import TRITON_FORWARD_ARGS, KeyFiles
 from .envoy import EnvoyProxy
 from .envoy_config import DEFAULT_MAX_REQUEST_BYTES, FrontDoor, Upstream
 from .frontend_process import FrontendProcess
@@ -148,7 +148,7 @@ class Supervisor:
         try:
             self.say(self.keys.reload())
         except TenantConfigError as e:
-            self.say(f"SIGHUP: the API keys were NOT reloaded, the ones in use stay: {e}")
+            self.say(f"the API keys were NOT reloaded, the ones in use stay: {e}")  # SIGHUP or the file changed
 
     def _start_frontend(self) -> None:
         upstream = self.options.frontend_upstream or f"127.0.0.1:{self._internal_ports[1]}"

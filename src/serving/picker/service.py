@@ -11,8 +11,9 @@ read (no JSON `input_ids`) is picked on its user alone (a one-token prompt to th
 
 Whose cache a request reads: its user's within its tenant. With API keys on, Envoy's key filter
 sets TENANT_HEADER from the key before the picker's filter runs (envoy_config._connection_manager),
-and the engine keeps each tenant's cache apart (request.tenant_namespace); so does the picker:
-the same user name of two tenants is two users, their prefixes two chains (`cache_namespace`).
+and the engine keeps each tenant's cache apart; so does the picker, naming a request's cache by the
+engine's rule (contract.tenants.tenant_namespace): the same user name of two tenants is two users,
+their prefixes two chains.
 
 What the picker knows of the replicas (choice.py): the members (a members file, a JSON list of
 {"key", "destination", "metrics_url"} that LocalFleet rewrites, or on Kubernetes the replicas'
@@ -37,7 +38,7 @@ from pathlib import Path
 
 from ...contract.block_keys import block_hashes, namespace_root
 from ...contract.jct import JctCoefficients
-from ...contract.tenants import TENANT_HEADER
+from ...contract.tenants import TENANT_HEADER, tenant_namespace
 from ...contract.wire import USER_HEADER
 from ..host.prometheus import by_series, scrape
 from .choice import Picker
@@ -146,7 +147,7 @@ class PickerState:
         when no member is live."""
         started = time.perf_counter()
         tokens = len(prompt_ids) if prompt_ids else 1
-        root = namespace_root(_NAMESPACE_MODEL, cache_namespace(tenant, user))
+        root = namespace_root(_NAMESPACE_MODEL, tenant_namespace(tenant, user))
         keys = block_hashes(prompt_ids, self.picker.block_size, root) if prompt_ids else []
         now = time.monotonic()
         with self.lock:
@@ -163,12 +164,6 @@ class PickerState:
                                             "predicted_s": choice.predicted_s, "report_age_s": age,
                                             "decide_us": (time.perf_counter() - started) * 1e6}) + "\n")
         return destination
-
-
-def cache_namespace(tenant: str | None, user: str | None) -> str | None:
-    """The picker's name for the cache a request reads: its user's, inside its tenant's when it has
-    one (a NUL between them, which no header value holds, so no two pairs share a name)."""
-    return user if tenant is None else f"{tenant}\0{user or ''}"
 
 
 def prompt_ids_of(body: bytes) -> list[int] | None:
