@@ -363,3 +363,22 @@ def test_behind_the_front_door_a_request_without_its_tenant_is_refused(keyed):
     assert status == 400 and b"came without its tenant" in reply, reply
     alive, what = probe(keyed.server.http_url, timeout=60)
     assert alive, what
+
+
+def test_a_rewritten_key_file_is_picked_up_without_a_signal(keyed):
+    """The supervisor's watchdog sees the key file change (a Kubernetes Secret updated in place) and
+    reloads it: no SIGHUP, no reload call."""
+    delta = "delta-key-0123456789"
+
+    def until(want: int) -> None:
+        deadline = time.monotonic() + 15
+        while call(keyed, GENERATE, SCORE, delta)[0] != want:
+            assert time.monotonic() < deadline, f"delta's key not {want}"
+            time.sleep(0.2)
+
+    try:
+        write_keys(keyed.key_file, dict(KEYS, delta=delta))
+        until(200)
+    finally:
+        write_keys(keyed.key_file, KEYS)
+    until(401)
